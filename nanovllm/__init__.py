@@ -1,0 +1,5 @@
+"""nanovllm: a compact offline LLM inference engine with CPU-offloaded KV and sparse attention."""
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]

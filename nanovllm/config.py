@@ -1,0 +1,115 @@
+"""Engine configuration, validated at construction."""
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BLOCK_SIZE_MULTIPLE = 256
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+    return device
+
+
+def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dtype:
+    if dtype is None:
+        if device == "cpu":
+            return torch.float32
+        model_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(model_dtype, str):
+            model_dtype = _DTYPES.get(model_dtype, torch.bfloat16)
+        return model_dtype if model_dtype in _DTYPES.values() else torch.bfloat16
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+
+
+def _check_range(name: str, value, low, high=None, low_inclusive=True):
+    ok_low = value >= low if low_inclusive else value > low
+    if not ok_low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else (f">= {low}" if low_inclusive else f"> {low}")
+        if high is not None and not low_inclusive:
+            bound = f"({low}, {high}]"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
+
+
+@dataclass
+class Config:
+    """Everything the engine needs to know, checked once.
+
+    Attributes:
+        model: HF model directory with ``config.json`` and safetensors weights.
+        max_num_batched_tokens: token budget of one prefill step (>= 1); longer prompts are
+            prefilled in chunks of at most this many tokens.
+        max_num_seqs: most sequences in one step (>= 1); also the largest CUDA-graph batch.
+        max_model_len: longest prompt + output in tokens; clamped to the model's
+            ``max_position_embeddings``.
+        gpu_memory_utilization: fraction of GPU memory this process may use, in (0, 1].
+        tensor_parallel_size: number of ranks (>= 1); must divide the head counts.
+        enforce_eager: disable CUDA graphs for decode.
+        kvcache_block_size: tokens per KV block, a positive multiple of 256.
+        num_kvcache_blocks: KV blocks to allocate; -1 sizes the cache from free memory.
+        dtype: "float32" | "float16" | "bfloat16" | torch dtype | None (the model's on GPU,
+            float32 on CPU).
+        device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
+        seed: seed of the engine's sampling generator.
+
+    Raises:
+        ValueError: a bad field, naming the field, the value and the limit.
+    """
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    dtype: object = None
+    device: str = "auto"
+    seed: int = 0
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        config_path = os.path.join(str(self.model), "config.json")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model directory {self.model!r} does not exist")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_range("max_num_seqs", self.max_num_seqs, 1)
+        _check_range("max_model_len", self.max_model_len, 1)
+        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False)
+        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.kvcache_block_size <= 0 or self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
+            raise ValueError(f"kvcache_block_size must be a positive multiple of "
+                             f"{BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}")
+        if self.num_kvcache_blocks != -1:
+            _check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        self.device = _resolve_device(self.device)
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.dtype = _resolve_dtype(self.dtype, self.hf_config, self.device)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self):
+        cfg = self.hf_config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        for name, value in (("num_attention_heads", cfg.num_attention_heads),
+                            ("num_key_value_heads", kv_heads)):
+            if value % self.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide "
+                                 f"{name}={value}")

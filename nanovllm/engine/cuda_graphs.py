@@ -1,0 +1,80 @@
+"""CUDA graphs for decode: one graph per captured batch size, sharing one memory pool.
+
+Captured sizes are 1, 2, 4, 8 and every multiple of 16 up to ``max_num_seqs`` (and
+``max_num_seqs`` itself); a batch is padded to the next captured size. Padded rows have
+``slot_mapping = -1`` and ``context_lens = 0``, so they neither write nor read the KV cache.
+"""
+import torch
+
+from nanovllm.utils.context import Context, get_context, reset_context, set_context
+
+
+def captured_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    """Captures the model's decode forward (not the sampler) for every size in
+    :func:`captured_batch_sizes`. ``replay`` returns hidden states ``[batch, hidden]``."""
+
+    def __init__(self, runner):
+        cfg = runner.config
+        self.model = runner.model
+        self.sizes = captured_batch_sizes(cfg.max_num_seqs)
+        max_bs = self.sizes[-1]
+        max_blocks = -(-cfg.max_model_len // cfg.kvcache_block_size)
+        dev = runner.device
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=dev)
+        self.outputs = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self._capture_all()
+
+    def _context(self, bs: int) -> Context:
+        return Context(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+                       context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs])
+
+    @torch.inference_mode()
+    def _capture_all(self):
+        for bs in reversed(self.sizes):
+            set_context(self._context(bs))
+            out = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
+            if self.outputs is None:
+                self.outputs = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype, device=out.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
+                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            reset_context()
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.sizes[-1]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Copy the decode inputs (and the current context) into the graph's buffers, replay."""
+        bs = input_ids.size(0)
+        graph_bs = next(s for s in self.sizes if s >= bs)
+        ctx = get_context()
+        self.input_ids[:bs] = input_ids
+        self.positions[:bs] = positions
+        self.slot_mapping[:graph_bs].fill_(-1)
+        self.slot_mapping[:bs] = ctx.slot_mapping
+        self.context_lens[:graph_bs].zero_()
+        self.context_lens[:bs] = ctx.context_lens
+        width = ctx.block_tables.size(1)
+        self.block_tables[:bs, :width] = ctx.block_tables
+        self.graphs[graph_bs].replay()
+        return self.outputs[:bs]
+
+    def release(self):
+        self.graphs.clear()
+        self.pool = None
+        self.outputs = None

@@ -1,0 +1,159 @@
+"""The engine loop: requests in, scheduler and model runner per step, finished outputs out."""
+import logging
+import time
+import weakref
+from multiprocessing import get_context
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_worker import free_port, new_shm_name
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(model: str, tokenizer) -> list[int]:
+    """End-of-sequence ids from ``generation_config.json`` (int or list) and the tokenizer."""
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class LLMEngine:
+    """Offline inference engine (see :class:`nanovllm.LLM` for the arguments)."""
+
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config(model, **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        config.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        self._workers, self._generators = [], {}
+        channel, events, port = None, [], free_port()
+        if config.tensor_parallel_size > 1:
+            channel = new_shm_name()
+            ctx = get_context("spawn")
+            for rank in range(1, config.tensor_parallel_size):
+                event = ctx.Event()
+                proc = ctx.Process(target=ModelRunner, args=(config, rank, channel, event, port))
+                proc.start()
+                self._workers.append(proc)
+                events.append(event)
+        self.model_runner = ModelRunner(config, 0, channel, events, port)
+        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks)
+        self.vocab_size = config.hf_config.vocab_size
+        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers)
+
+    # ---- requests ----------------------------------------------------------------------
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids)
+        return ids
+
+    def _validate(self, ids: list[int]):
+        cfg = self.config
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens); at least 1 token is required")
+        if len(ids) > cfg.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={cfg.max_model_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        capacity = self.model_runner.num_kv_blocks * cfg.kvcache_block_size
+        if len(ids) > capacity:
+            raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {capacity}")
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its sequence id.
+
+        Raises:
+            ValueError: empty prompt, prompt longer than ``max_model_len``, token id outside the
+                vocabulary. RuntimeError: the prompt cannot fit in the KV cache.
+        """
+        return self._add(self._token_ids(prompt), sampling_params)
+
+    def _add(self, ids: list[int], sampling_params: SamplingParams) -> int:
+        seq = Sequence(ids, sampling_params, self.config.kvcache_block_size)
+        if sampling_params.seed is not None:
+            gen = torch.Generator(self.model_runner.device)
+            self._generators[seq.seq_id] = gen.manual_seed(sampling_params.seed)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> tuple[list[Sequence], int]:
+        """Run one scheduled step. Returns the sequences finished in it and the number of
+        tokens processed (positive for a prefill step, negative for decode, as nano-vLLM)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
+        tokens = self.model_runner.run(seqs, is_prefill, self._generators)
+        finished = self.scheduler.postprocess(seqs, tokens)
+        for seq in finished:
+            self._generators.pop(seq.seq_id, None)
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        return finished, num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    # ---- batch API ---------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate completions for ``prompts`` (strings or token-id lists).
+
+        Returns ``[{"text", "token_ids", "finish_reason"}]`` in input order. Every prompt is
+        validated before any is queued, so a bad prompt raises (ValueError / RuntimeError naming
+        the value and the limit) and leaves the engine serving what it already had.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        token_ids = [self._token_ids(p) for p in prompts]
+        seq_ids = [self._add(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
+        results = self._run_until_done(set(seq_ids), use_tqdm)
+        return [results[i] for i in seq_ids]
+
+    def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, dict]:
+        results = {}
+        bar = tqdm(total=len(pending), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while pending - results.keys():
+            t = time.perf_counter()
+            finished, num_tokens = self.step()
+            rate = abs(num_tokens) / max(time.perf_counter() - t, 1e-9)
+            prefill_tps, decode_tps = (rate, decode_tps) if num_tokens > 0 else (prefill_tps, rate)
+            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+            for seq in finished:
+                results[seq.seq_id] = {
+                    "text": self.tokenizer.decode(seq.completion_token_ids),
+                    "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+                bar.update(1)
+        bar.close()
+        return results
+
+    def shutdown(self):
+        """Stop the workers and free graphs and KV memory (also run when the engine is garbage
+        collected and at interpreter exit); the engine cannot be used after."""
+        self._finalizer()
+
+
+def _shutdown(model_runner: ModelRunner, workers: list):
+    model_runner.call("exit")
+    for proc in workers:
+        proc.join()

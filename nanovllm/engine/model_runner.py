@@ -1,0 +1,279 @@
+"""Runs the model for a scheduled batch: builds inputs, owns the KV cache and CUDA graphs.
+
+One ModelRunner per tensor-parallel rank. Rank 0 lives in the user's process and drives the
+others through a :class:`RankChannel`; every public method that touches the model runs on all
+ranks with the same arguments.
+"""
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_worker import RankChannel, init_process_group
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import get_model_class
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.utils.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_FRACTION = 0.25
+_WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class ModelRunner:
+    """Args: config, rank, and the channel to the other ranks (None when TP is 1)."""
+
+    def __init__(self, config: Config, rank: int, channel_name: str | None = None,
+                 events=None, port: int = 0):
+        self.config = config
+        self.rank, self.world_size = rank, config.tensor_parallel_size
+        self.block_size = config.kvcache_block_size
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        if config.device == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            init_process_group(config.device, rank, self.world_size, port)
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.kv_cache = None
+        self.graphs: DecodeGraphs | None = None
+        self.channel = RankChannel(channel_name, rank, events) if self.world_size > 1 else None
+        self.setup()
+        if rank > 0:
+            self._worker_loop()
+
+    # ---- setup -------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(cfg.dtype)
+        try:
+            with torch.device(self.device):
+                model = get_model_class(cfg.hf_config)(cfg.hf_config, cfg.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(model, cfg.model)
+        return model.eval()
+
+    def setup(self):
+        """Size and bind the KV cache, then capture decode CUDA graphs (all ranks)."""
+        if self.device.type == "cuda":
+            self._warmup()
+        self.allocate_kv_cache(self._num_kv_blocks())
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self)
+
+    @torch.inference_mode()
+    def _warmup(self):
+        cfg = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        seq_len = min(num_tokens, cfg.max_model_len)
+        seqs = [Sequence([0] * seq_len, _WARMUP_PARAMS, self.block_size)
+                for _ in range(max(1, num_tokens // seq_len))]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        torch.cuda.empty_cache()
+
+    def kv_block_bytes(self) -> int:
+        hf = self.config.hf_config
+        heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_hidden_layers * (heads // self.world_size) * head_dim
+        return per_token * self.block_size * self.config.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks > 0:
+            num_blocks = cfg.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._gpu_budget() // self.kv_block_bytes()
+        else:
+            num_blocks = self._cpu_budget() // self.kv_block_bytes()
+        if self.world_size > 1:
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        capacity = num_blocks * self.block_size
+        if capacity < cfg.max_model_len:
+            raise RuntimeError(
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} = {capacity} tokens, fewer "
+                f"than max_model_len={cfg.max_model_len}: not enough memory for one sequence "
+                f"(block = {self.kv_block_bytes()} bytes); lower max_model_len or give more memory")
+        return num_blocks
+
+    def _gpu_budget(self) -> int:
+        """Bytes for KV: this process's share of the GPU minus its own peak use (weights,
+        activations of the warm-up), never more than what is free now."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        return max(0, min(budget, free - (256 << 20)))
+
+    def _cpu_budget(self) -> int:
+        """Bytes for KV on CPU: enough for max_num_seqs full sequences, capped at a fraction of
+        available host memory."""
+        cfg = self.config
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        wanted = cfg.max_num_seqs * blocks_per_seq * self.kv_block_bytes()
+        return min(wanted, int(available * CPU_KV_MEMORY_FRACTION))
+
+    def allocate_kv_cache(self, num_blocks: int):
+        hf = self.config.hf_config
+        attn_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        layer = attn_layers[0]
+        self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size,
+                                    layer.num_kv_heads, layer.head_dim,
+                                    dtype=self.config.dtype, device=self.device)
+        for i, module in enumerate(attn_layers):
+            module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.num_kv_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB), %d layers of %s", num_blocks,
+                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+                    hf.num_hidden_layers, self.config.dtype)
+
+    # ---- rank plumbing -----------------------------------------------------------------
+    def call(self, method: str, *args):
+        """Run ``method`` on every rank (rank 0 broadcasts it first)."""
+        if self.channel is not None and self.rank == 0:
+            self.channel.send(method, *args)
+        return getattr(self, method)(*args)
+
+    def _worker_loop(self):
+        while True:
+            method, args = self.channel.receive()
+            getattr(self, method)(*args)
+            if method == "exit":
+                break
+
+    def exit(self):
+        """Release graphs, KV cache and the process group (all ranks)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        for m in self.model.modules():
+            if hasattr(m, "k_cache"):
+                m.k_cache = m.v_cache = torch.tensor([])
+        self.kv_cache = None
+        if self.channel is not None:
+            self.channel.close()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # ---- inputs ------------------------------------------------------------------------
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        if pos < seq.num_cached_tokens:  # a cached, shared block: its KV is already there
+            return -1
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        return self._tensor(rows, torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slots, seqlens_q, seqlens_k, sample_idx = [], [], [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            if self.kv_cache is not None:
+                slots += [self._slot(seq, p) for p in range(start, end)]
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            if end == len(seq):
+                sample_idx.append(len(input_ids) - 1)
+        has_prefix = any(k > q for q, k in zip(seqlens_q, seqlens_k))
+        set_context(Context(
+            is_prefill=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+            slot_mapping=self._tensor(slots, torch.int64) if slots else None,
+            block_tables=self._block_tables(seqs) if has_prefix else None))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), sample_idx
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        slots = [self._slot(seq, len(seq) - 1) for seq in seqs]
+        set_context(Context(
+            is_prefill=False, slot_mapping=self._tensor(slots, torch.int64),
+            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
+            block_tables=self._block_tables(seqs)))
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
+                list(range(len(seqs))))
+
+    def _sampling_tensors(self, seqs: list[Sequence]):
+        params = [seq.sampling_params for seq in seqs]
+        temperatures = self._tensor([p.temperature for p in params], torch.float32)
+        top_k = self._tensor([p.top_k for p in params], torch.int64)
+        top_p = self._tensor([p.top_p for p in params], torch.float32)
+        return temperatures, top_k, top_p
+
+    # ---- running -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool,
+                  sample_idx: list[int]) -> torch.Tensor:
+        """Hidden states of the rows in ``sample_idx`` -> logits ``[len(sample_idx), vocab]``."""
+        if not is_prefill and self.graphs is not None and self.graphs.fits(input_ids.size(0)):
+            hidden = self.graphs.replay(input_ids, positions)
+        else:
+            hidden = self.model(input_ids, positions)
+        if not sample_idx:
+            return hidden.new_empty(0, 0)
+        return self.model.compute_logits(hidden[self._tensor(sample_idx, torch.int64)])
+
+    def run(self, seqs: list[Sequence], is_prefill: bool,
+            generators: dict[int, torch.Generator] | None = None) -> list[int | None]:
+        """One step for ``seqs``; a sampled token per sequence (None for an unfinished prefill
+        chunk). Rank 0 samples; the other ranks return an empty list."""
+        if self.channel is not None and self.rank == 0:
+            self.channel.send("run", seqs, is_prefill)
+        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
+        input_ids, positions, sample_idx = prepare(seqs)
+        logits = self.run_model(input_ids, positions, is_prefill, sample_idx)
+        reset_context()
+        if self.rank > 0 or not sample_idx:
+            return [None] * len(seqs) if self.rank == 0 else []
+        sampled_seqs = [seqs[i] for i in range(len(seqs))
+                        if not is_prefill or self._finishes_prefill(seqs[i])]
+        temperatures, top_k, top_p = self._sampling_tensors(sampled_seqs)
+        rows = {row: generators[seq.seq_id] for row, seq in enumerate(sampled_seqs)
+                if generators and seq.seq_id in generators}
+        tokens = iter(self.sampler(logits, temperatures, top_k, top_p, rows).tolist())
+        return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
+                for seq in seqs]
+
+    @staticmethod
+    def _finishes_prefill(seq: Sequence) -> bool:
+        return seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq)
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits ``[len(token_ids), vocab]`` of one prompt, without touching the KV
+        cache (for scoring and for tests against a reference; rank 0 only)."""
+        if self.world_size > 1:
+            raise RuntimeError("forward_logits runs with tensor_parallel_size=1 only")
+        n = len(token_ids)
+        set_context(Context(is_prefill=True, seqlens_q=[n], seqlens_k=[n]))
+        try:
+            hidden = self.model(self._tensor(token_ids, torch.int64),
+                                torch.arange(n, device=self.device))
+            return self.model.compute_logits(hidden).float()
+        finally:
+            reset_context()
+

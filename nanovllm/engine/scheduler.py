@@ -1,0 +1,115 @@
+"""Chooses which sequences run in the next step: a prefill batch or a decode batch."""
+import logging
+from collections import deque
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.kvcache.block_manager import BlockManager
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """nano-vLLM's scheduler with chunked prefill.
+
+    Prefill has priority: waiting sequences are admitted while blocks and the token budget
+    (``max_num_batched_tokens``) last; a prompt longer than the remaining budget is prefilled in
+    chunks over several steps (only the head of the waiting queue can be part-way). Otherwise all
+    running sequences decode one token; when blocks run out, the most recently admitted running
+    sequence is preempted and later recomputed.
+    """
+
+    def __init__(self, config: Config, num_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = set(config.eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return the sequences of the next step and whether it is a prefill step."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled, budget = [], self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            seq.num_scheduled_tokens = chunk
+            budget -= chunk
+            scheduled.append(seq)
+            if seq.num_computed_tokens + chunk < len(seq):
+                break
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        logger.debug("preempting sequence %d (%d tokens)", seq.seq_id, len(seq))
+        self.block_manager.deallocate(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+        """Advance KV progress, append sampled tokens, finish sequences; return the finished ones.
+
+        ``token_ids[i]`` is None for a prefill chunk that did not reach the end of its sequence.
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,78 @@
+"""A request's token ids and its progress through prefill and decode."""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: prompt + generated token ids, its block table and its KV progress.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix-cache hits
+    included); prefill advances it chunk by chunk, decode by one per step.
+    ``num_scheduled_tokens`` is what the current step computes.
+    """
+
+    _counter = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._counter)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.block_size = block_size
+        self.sampling_params = sampling_params
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.finish_reason: str | None = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_completion_tokens == 0
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self):
+        """Forget all KV progress (preemption by recomputation)."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0

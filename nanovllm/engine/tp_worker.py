@@ -1,0 +1,72 @@
+"""Tensor-parallel plumbing: process-group setup and rank 0 -> worker method calls.
+
+Rank 0 (the user's process) pickles ``(method, args)`` into a shared-memory buffer and sets one
+event per worker; each worker process loops, waiting on its event, then calls the same method on
+its own ModelRunner so all ranks run each forward together. Port and shared-memory name are
+chosen per engine, so two engines on one host never collide.
+"""
+import os
+import pickle
+import socket
+import uuid
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import torch.distributed as dist
+
+SHM_SIZE = 1 << 22
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def new_shm_name() -> str:
+    return f"nanovllm_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+
+
+def init_process_group(device: str, rank: int, world_size: int, port: int):
+    """NCCL on CUDA, gloo on CPU; env:// rendezvous when launched by torchrun."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                world_size=world_size, rank=rank)
+
+
+class RankChannel:
+    """Rank 0 writes calls, workers read them, through one shared-memory buffer."""
+
+    def __init__(self, name: str, rank: int, events: list[Event] | Event):
+        self.rank, self.events = rank, events
+        if rank == 0:
+            self.shm = SharedMemory(name=name, create=True, size=SHM_SIZE)
+            dist.barrier()
+        else:
+            dist.barrier()
+            self.shm = SharedMemory(name=name)
+
+    def send(self, method: str, *args):
+        data = pickle.dumps((method, args))
+        if len(data) + 4 > SHM_SIZE:
+            raise RuntimeError(f"call {method} is {len(data)} bytes, over the {SHM_SIZE}-byte channel")
+        self.shm.buf[0:4] = len(data).to_bytes(4, "little")
+        self.shm.buf[4:len(data) + 4] = data
+        for event in self.events:
+            event.set()
+
+    def receive(self) -> tuple[str, tuple]:
+        self.events.wait()
+        n = int.from_bytes(self.shm.buf[0:4], "little")
+        method, args = pickle.loads(self.shm.buf[4:n + 4])
+        self.events.clear()
+        return method, args
+
+    def close(self):
+        self.shm.close()
+        if self.rank == 0:
+            self.shm.unlink()

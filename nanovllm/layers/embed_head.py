@@ -1,0 +1,45 @@
+"""Vocabulary-parallel embedding and LM head (each rank holds a contiguous slice of the vocab)."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids ``[num_tokens]`` -> embeddings ``[num_tokens, hidden]``; ranks all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.vocab_start = self.shard_size * self.tp_rank
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        param.data[:shard.size(0)].copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        local = x - self.vocab_start
+        mask = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden ``[num_tokens, hidden]`` -> logits ``[num_tokens, vocab]`` (gathered on every rank)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(shards, logits)
+            logits = torch.cat(shards, -1)
+        return logits[..., :self.vocab_size]

@@ -1,0 +1,72 @@
+"""Rotary position embedding (Su et al., RoFormer 2021), default and Llama 3 frequency scaling.
+
+The Llama 3 scaling follows transformers' ``_compute_llama3_parameters`` exactly: long
+wavelengths are divided by ``factor``, short ones kept, the band between interpolated.
+"""
+import math
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config) -> dict:
+    """The RoPE settings of an HF config as one dict (transformers 4 and 5 spellings)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """float32 ``[head_dim // 2]`` inverse frequencies. Raises ValueError for unknown rope types."""
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q ``[num_tokens, num_heads, head_dim]`` and k at absolute ``positions``.
+
+    Args:
+        head_dim: rotary dimension (the full head dimension here).
+        max_position: size of the cos/sin table; positions must be below it.
+        params: from :func:`rope_parameters`.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.stack((freqs.cos(), freqs.sin())), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin_cache[:, positions].unsqueeze(-2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)

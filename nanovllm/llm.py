@@ -1,0 +1,22 @@
+"""The user-facing entry point."""
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+class LLM(LLMEngine):
+    """``LLM(model_dir, **config)``: see :class:`nanovllm.config.Config` for the options.
+
+    Example::
+
+        llm = LLM("path/to/model", max_model_len=4096)
+        out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+        print(out[0]["text"])
+
+    Use it as a context manager, or call :meth:`shutdown` (also run when the object is collected and at exit), to
+    release GPU memory so another ``LLM`` can be built in the same process.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
