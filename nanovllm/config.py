@@ -63,6 +63,13 @@ class Config:
             float32 on CPU).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator.
+        enable_cpu_offload: keep the KV cache in (pinned) host memory and stream it through a GPU
+            ring buffer of ``num_gpu_blocks`` slots; prefill runs in chunks of one block.
+        num_gpu_blocks: ring-buffer slots in offload mode, >= 2.
+        num_cpu_kvcache_blocks: host KV blocks in offload mode; -1 sizes them from
+            ``cpu_memory_utilization`` of the available host memory.
+        cpu_memory_utilization: share of available host memory offload mode may pin, in (0, 1].
+        sparse_policy: "FULL" (every block) in offload mode; see ``nanovllm.kvcache.sparse``.
 
     Raises:
         ValueError: a bad field, naming the field, the value and the limit.
@@ -80,6 +87,11 @@ class Config:
     dtype: object = None
     device: str = "auto"
     seed: int = 0
+    enable_cpu_offload: bool = False
+    num_gpu_blocks: int = 4
+    num_cpu_kvcache_blocks: int = -1
+    cpu_memory_utilization: float = 0.5
+    sparse_policy: str = "FULL"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -99,11 +111,21 @@ class Config:
                              f"{BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}")
         if self.num_kvcache_blocks != -1:
             _check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        self._check_offload()
         self.device = _resolve_device(self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.dtype = _resolve_dtype(self.dtype, self.hf_config, self.device)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self._check_tensor_parallel()
+
+    def _check_offload(self):
+        from nanovllm.kvcache.sparse import SparsePolicyType
+
+        _check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
+        if self.num_cpu_kvcache_blocks != -1:
+            _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
+        _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False)
+        self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
 
     def _check_tensor_parallel(self):
         cfg = self.hf_config

@@ -13,6 +13,8 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import free_port, new_shm_name
+from nanovllm.kvcache.block_manager import BlockManager
+from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,9 +52,16 @@ class LLMEngine:
                 self._workers.append(proc)
                 events.append(event)
         self.model_runner = ModelRunner(config, 0, channel, events, port)
-        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks)
+        self.scheduler = self._make_scheduler()
         self.vocab_size = config.hf_config.vocab_size
         self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers)
+
+    def _make_scheduler(self) -> Scheduler:
+        runner, cfg = self.model_runner, self.config
+        if cfg.enable_cpu_offload:
+            manager = HybridKVManager(runner.num_kv_blocks, cfg.kvcache_block_size, runner.num_decode_rows)
+            return Scheduler(cfg, manager, max_num_seqs=runner.num_decode_rows)
+        return Scheduler(cfg, BlockManager(runner.num_kv_blocks, cfg.kvcache_block_size))
 
     # ---- requests ----------------------------------------------------------------------
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
@@ -151,6 +160,7 @@ class LLMEngine:
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
         collected and at interpreter exit); the engine cannot be used after."""
         self._finalizer()
+        self.__dict__.pop("model_runner", None)
 
 
 def _shutdown(model_runner: ModelRunner, workers: list):

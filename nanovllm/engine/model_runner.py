@@ -14,10 +14,13 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import RankChannel, init_process_group
+from nanovllm.kvcache.hybrid_manager import HybridKVManager
+from nanovllm.kvcache.offload_engine import OffloadEngine
+from nanovllm.kvcache.sparse import create_policy
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.utils.context import Context, OffloadBatch, reset_context, set_context
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ class ModelRunner:
             init_process_group(config.device, rank, self.world_size, port)
         self.model = self._build_model()
         self.sampler = Sampler()
-        self.kv_cache = None
+        self.kv_cache = self.offload_engine = None
         self.graphs: DecodeGraphs | None = None
         self.channel = RankChannel(channel_name, rank, events) if self.world_size > 1 else None
         self.setup()
@@ -65,6 +68,9 @@ class ModelRunner:
         """Size and bind the KV cache, then capture decode CUDA graphs (all ranks)."""
         if self.device.type == "cuda":
             self._warmup()
+        if self.config.enable_cpu_offload:
+            self.allocate_offload()
+            return
         self.allocate_kv_cache(self._num_kv_blocks())
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(self)
@@ -127,9 +133,51 @@ class ModelRunner:
         wanted = cfg.max_num_seqs * blocks_per_seq * self.kv_block_bytes()
         return min(wanted, int(available * CPU_KV_MEMORY_FRACTION))
 
+    def _attention_layers(self) -> list[torch.nn.Module]:
+        return [m for m in self.model.modules() if hasattr(m, "k_cache")]
+
+    def allocate_offload(self):
+        """Host KV blocks, GPU ring buffer and decode rows of offload mode, bound to every layer."""
+        cfg, layers = self.config, self._attention_layers()
+        layer = layers[0]
+        row_bytes = self.kv_block_bytes()  # one block of every layer, K and V
+        fixed = (cfg.num_gpu_blocks + len(layers)) * row_bytes // len(layers) + row_bytes
+        budget = self._gpu_budget() if self.device.type == "cuda" else self._cpu_budget()
+        self.num_decode_rows = max(1, min(cfg.max_num_seqs, (budget - fixed) // row_bytes))
+        num_cpu_blocks = self._num_cpu_blocks()
+        self.offload_engine = OffloadEngine(
+            len(layers), layer.num_kv_heads, layer.head_dim, cfg.dtype, self.device,
+            self.block_size, num_cpu_blocks, cfg.num_gpu_blocks, self.num_decode_rows)
+        self.policy = create_policy(cfg.sparse_policy, layer.scale)
+        self.policy.initialize(self.offload_engine)
+        for i, module in enumerate(layers):
+            module.layer_id, module.offload_engine, module.policy = i, self.offload_engine, self.policy
+        self.num_kv_blocks = num_cpu_blocks
+        if self.device.type == "cuda":
+            self.compute_stream = torch.cuda.Stream(self.device)
+        logger.info("offload: %d CPU blocks x %d tokens, %d ring slots, %d decode rows, policy %s",
+                    num_cpu_blocks, self.block_size, cfg.num_gpu_blocks, self.num_decode_rows,
+                    cfg.sparse_policy.value)
+
+    def _num_cpu_blocks(self) -> int:
+        cfg = self.config
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        if cfg.num_cpu_kvcache_blocks > 0:
+            num_blocks = cfg.num_cpu_kvcache_blocks
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(available * cfg.cpu_memory_utilization) // self.kv_block_bytes()
+            num_blocks = min(budget, self.num_decode_rows * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise RuntimeError(
+                f"host KV cache of {num_blocks} blocks x {self.block_size} tokens cannot hold one "
+                f"sequence of max_model_len={cfg.max_model_len} ({blocks_per_seq} blocks of "
+                f"{self.kv_block_bytes()} bytes); give more host memory or lower max_model_len")
+        return num_blocks
+
     def allocate_kv_cache(self, num_blocks: int):
         hf = self.config.hf_config
-        attn_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        attn_layers = self._attention_layers()
         layer = attn_layers[0]
         self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size,
                                     layer.num_kv_heads, layer.head_dim,
@@ -163,7 +211,7 @@ class ModelRunner:
         for m in self.model.modules():
             if hasattr(m, "k_cache"):
                 m.k_cache = m.v_cache = torch.tensor([])
-        self.kv_cache = None
+        self.kv_cache = self.offload_engine = None
         if self.channel is not None:
             self.channel.close()
         if self.world_size > 1 and dist.is_initialized():
@@ -206,6 +254,41 @@ class ModelRunner:
             block_tables=self._block_tables(seqs) if has_prefix else None))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), sample_idx
 
+    def prepare_offload_prefill(self, seqs: list[Sequence]):
+        """One sequence, one chunk of at most one block, offloaded to its next CPU block."""
+        (seq,) = seqs
+        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+        chunk = start // self.block_size
+        set_context(Context(is_prefill=True, seqlens_q=[n], seqlens_k=[start + n], offload=OffloadBatch(
+            cpu_blocks=[seq.block_table[:chunk]], block_lens=[[self.block_size] * chunk],
+            chunk_blocks=[seq.block_table[chunk]])))
+        sample_idx = [n - 1] if start + n == len(seq) else []
+        return (self._tensor(seq.token_ids[start:start + n], torch.int64),
+                self._tensor(list(range(start, start + n)), torch.int64), sample_idx)
+
+    def prepare_offload_decode(self, seqs: list[Sequence]):
+        cpu_blocks, block_lens, offsets = [], [], []
+        for seq in seqs:
+            pos = len(seq) - 1
+            num = HybridKVManager.num_offloaded_blocks(seq, pos)
+            cpu_blocks.append(seq.block_table[:num])
+            block_lens.append(HybridKVManager.block_lens(seq, num))
+            offsets.append(HybridKVManager.decode_offset(seq, pos))
+        rows = [seq.decode_row for seq in seqs]
+        set_context(Context(is_prefill=False, offload=OffloadBatch(
+            cpu_blocks=cpu_blocks, block_lens=block_lens, decode_rows=rows,
+            decode_lens=[o + 1 for o in offsets], rows=self._tensor(rows, torch.int64),
+            offsets=self._tensor(offsets, torch.int64))))
+        return (self._tensor([seq.last_token for seq in seqs], torch.int64),
+                self._tensor([len(seq) - 1 for seq in seqs], torch.int64), list(range(len(seqs))))
+
+    def _offload_full_decode_blocks(self, seqs: list[Sequence]):
+        """After a decode step: move every decode buffer that just became full to its CPU block."""
+        for seq in seqs:
+            if HybridKVManager.decode_offset(seq, len(seq) - 1) == self.block_size - 1:
+                self.offload_engine.offload_decode_block(seq.decode_row, seq.block_table[-1])
+                self.policy.on_decode_offload(seq.block_table[-1], self.offload_engine.decode_block(seq.decode_row))
+
     def prepare_decode(self, seqs: list[Sequence]):
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
@@ -243,10 +326,22 @@ class ModelRunner:
         chunk). Rank 0 samples; the other ranks return an empty list."""
         if self.channel is not None and self.rank == 0:
             self.channel.send("run", seqs, is_prefill)
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, positions, sample_idx = prepare(seqs)
+        if self.offload_engine is not None and self.device.type == "cuda":
+            with torch.cuda.stream(self.compute_stream):
+                return self._run(seqs, is_prefill, generators)
+        return self._run(seqs, is_prefill, generators)
+
+    def _prepare(self, seqs: list[Sequence], is_prefill: bool):
+        if self.offload_engine is None:
+            return (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        return (self.prepare_offload_prefill if is_prefill else self.prepare_offload_decode)(seqs)
+
+    def _run(self, seqs: list[Sequence], is_prefill: bool, generators) -> list[int | None]:
+        input_ids, positions, sample_idx = self._prepare(seqs, is_prefill)
         logits = self.run_model(input_ids, positions, is_prefill, sample_idx)
         reset_context()
+        if self.offload_engine is not None and not is_prefill:
+            self._offload_full_decode_blocks(seqs)
         if self.rank > 0 or not sample_idx:
             return [None] * len(seqs) if self.rank == 0 else []
         sampled_seqs = [seqs[i] for i in range(len(seqs))

@@ -5,6 +5,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.kvcache.block_manager import BlockManager
+from nanovllm.kvcache.hybrid_manager import HybridKVManager
 
 logger = logging.getLogger(__name__)
 
@@ -16,15 +17,20 @@ class Scheduler:
     (``max_num_batched_tokens``) last; a prompt longer than the remaining budget is prefilled in
     chunks over several steps (only the head of the waiting queue can be part-way). Otherwise all
     running sequences decode one token; when blocks run out, the most recently admitted running
-    sequence is preempted and later recomputed.
+    sequence is preempted and later recomputed. In offload mode a prefill step holds one
+    sequence and one block-sized chunk.
     """
 
-    def __init__(self, config: Config, num_blocks: int):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+    def __init__(self, config: Config, block_manager: BlockManager | HybridKVManager,
+                 max_num_seqs: int | None = None):
+        self.max_num_seqs = max_num_seqs or config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(config.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size)
+        self.block_manager = block_manager
+        if config.enable_cpu_offload:  # one sequence per prefill step, one block per chunk
+            self.max_num_batched_tokens, self.max_prefill_seqs = config.kvcache_block_size, 1
+        else:
+            self.max_num_batched_tokens, self.max_prefill_seqs = config.max_num_batched_tokens, None
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
 
@@ -57,6 +63,8 @@ class Scheduler:
                 break
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
+            if len(scheduled) == self.max_prefill_seqs:
+                break
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:

@@ -34,6 +34,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.finish_reason: str | None = None
+        self.num_prefill_tokens = 0  # offload mode: prefill length recorded at admission
+        self.decode_row = -1  # offload mode: the sequence's decode-buffer row
 
     def __len__(self):
         return len(self.token_ids)

@@ -1,13 +1,16 @@
-"""Attention over the paged KV cache (GPU-only mode).
+"""Attention over the KV cache.
 
-The model runner binds ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, num_kv_heads,
-head_dim]`` views) to every layer; until then the layer attends without a cache (warm-up).
+GPU-only mode: the model runner binds ``k_cache`` / ``v_cache`` (``[num_blocks, block_size,
+num_kv_heads, head_dim]`` views) to every layer; until then the layer attends without a cache
+(warm-up, scoring). Offload mode: the runner binds the ``OffloadEngine`` and the sparse policy,
+and each prefill chunk / decode step goes to the policy's chunked pipeline.
 """
 import torch
 from torch import nn
 
+from nanovllm.kvcache.sparse.policy import PolicyContext
 from nanovllm.ops import decode_attention, prefill_attention, store_kvcache
-from nanovllm.utils.context import get_context
+from nanovllm.utils.context import OffloadBatch, get_context
 
 
 class Attention(nn.Module):
@@ -18,14 +21,31 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])
+        self.layer_id = -1
+        self.offload_engine = self.policy = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        has_cache = self.k_cache.numel() > 0
-        if has_cache and ctx.slot_mapping is not None:
+        if ctx.offload is not None:
+            return self._offload_forward(q, k, v, ctx.is_prefill, ctx.offload)
+        if self.k_cache.numel() > 0 and ctx.slot_mapping is not None:
             store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale,
                                      self.k_cache, self.v_cache, ctx.block_tables)
         return decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables,
                                 ctx.context_lens, self.scale)
+
+    def _offload_forward(self, q, k, v, is_prefill: bool, batch: OffloadBatch) -> torch.Tensor:
+        engine, policy = self.offload_engine, self.policy
+        if is_prefill:  # one sequence, one chunk
+            ctx = PolicyContext(self.layer_id, batch.cpu_blocks[0], batch.block_lens[0], True,
+                                chunk_block=batch.chunk_blocks[0])
+            return policy.compute_chunked_prefill(q, k, v, engine, ctx)
+        engine.store_decode_tokens(self.layer_id, batch.rows, batch.offsets, k, v)
+        outs = []
+        for i in range(q.size(0)):
+            ctx = PolicyContext(self.layer_id, batch.cpu_blocks[i], batch.block_lens[i], False,
+                                decode_row=batch.decode_rows[i], decode_len=batch.decode_lens[i])
+            outs.append(policy.compute_chunked_decode(q[i:i + 1], engine, ctx))
+        return torch.cat(outs)

@@ -1,0 +1,98 @@
+"""Throughput benchmark, nano-vLLM's workload: 256 sequences, input and output lengths uniform in
+[100, 1024], random token ids, ignore_eos, max_model_len 4096, one warm-up. Prints JSON.
+
+    python bench.py                      # random-weight Qwen3-0.6B-shaped checkpoint (created once)
+    python bench.py --model DIR --compare-hf
+"""
+import argparse
+import json
+import os
+import time
+from random import randint, seed
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+
+
+def workload(num_seqs: int, max_input: int, max_output: int):
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def bench_nanovllm(args, prompts, params) -> dict:
+    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    sync(llm.config.device)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync(llm.config.device)
+    seconds = time.perf_counter() - t
+    tokens = sum(p.max_tokens for p in params)
+    device = llm.config.device
+    llm.shutdown()
+    return {"engine": "nanovllm", "sequences": len(prompts), "output_tokens": tokens,
+            "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device}
+
+
+def bench_hf(args, prompts, params) -> dict:
+    """HF transformers' generate on the same prompts (left-padded batches of --hf-batch)."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    n = min(args.hf_num_seqs, len(prompts))
+    tokens, t = 0, time.perf_counter()
+    for i in range(0, n, args.hf_batch):
+        batch, ps = prompts[i:i + args.hf_batch], params[i:i + args.hf_batch]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        new = max(p.max_tokens for p in ps)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.6,
+                           max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        tokens += sum(p.max_tokens for p in ps)
+    sync(device)
+    seconds = time.perf_counter() - t
+    return {"engine": "transformers", "sequences": n, "output_tokens": tokens,
+            "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device}
+
+
+def sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF model dir (default: a random-weight Qwen3-0.6B shape)")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers' generate")
+    parser.add_argument("--hf-num-seqs", type=int, default=256, help="sequences given to HF")
+    parser.add_argument("--hf-batch", type=int, default=64)
+    args = parser.parse_args()
+    if args.model is None:
+        cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
+        args.model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    result = bench_nanovllm(args, prompts, params)
+    if args.compare_hf:
+        result["hf"] = bench_hf(args, prompts, params)
+        result["speedup_vs_hf"] = round(result["tok_per_s"] / result["hf"]["tok_per_s"], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The sparse-policy interface and the ring-buffer pipeline every policy shares.
+
+In offload mode an attention layer hands each prefill chunk and each decode step to a
+``SparsePolicy``. The base class owns the pipeline, written once:
+
+    select blocks -> load the first N into the N ring slots (one transfer stream each)
+    for each block: wait slot ready -> attend (non-causal, with LSE) -> record compute done
+                    -> load the block N ahead into the freed slot -> merge by log-sum-exp
+
+A policy changes *which* blocks are loaded (``select_blocks``) and may keep metadata through the
+offload hooks; block-sparse prefill policies may also override the per-block attention.
+"""
+from abc import ABC
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from nanovllm.ops import flash_attn_with_lse, merge_attention_outputs
+
+
+class SparsePolicyType(Enum):
+    FULL = "FULL"
+    QUEST = "QUEST"
+    XATTN_BSA = "XATTN_BSA"
+
+    @classmethod
+    def parse(cls, value) -> "SparsePolicyType":
+        """From a member or its name (case-insensitive). Raises ValueError naming the choices."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            raise ValueError(f"sparse_policy must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+@dataclass
+class PolicyContext:
+    """What a policy knows about one sequence at one layer.
+
+    Attributes:
+        layer_id: the attention layer.
+        cpu_blocks: CPU block ids of the sequence's earlier KV, in position order (for prefill,
+            the blocks of previous chunks; for decode, every offloaded block).
+        block_lens: valid tokens in each of ``cpu_blocks`` (the last prefill block may be partial;
+            its length is the prefill length recorded at prefill time).
+        is_prefill: prefill chunk or decode step.
+        chunk_block: prefill only, the CPU block the current chunk is offloaded to.
+        decode_row: decode only, the sequence's decode-buffer row.
+        decode_len: decode only, tokens in the decode buffer including the current one.
+    """
+
+    layer_id: int
+    cpu_blocks: list[int]
+    block_lens: list[int]
+    is_prefill: bool
+    chunk_block: int = -1
+    decode_row: int = -1
+    decode_len: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class SparsePolicy(ABC):
+    """Base policy: full attention over the blocks that ``select_blocks`` returns.
+
+    Subclasses override ``select_blocks`` (and the hooks) and set ``supports_prefill`` /
+    ``supports_decode``. Shapes: q ``[num_tokens, num_heads, head_dim]``, k/v
+    ``[num_tokens, num_kv_heads, head_dim]``; outputs like q.
+    """
+
+    supports_prefill = True
+    supports_decode = True
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    # ---- hooks -------------------------------------------------------------------------
+    def initialize(self, offload_engine) -> None:
+        """Called once the offload engine exists (allocate per-block metadata here)."""
+
+    def on_prefill_offload(self, cpu_block: int, layer_id: int, k: torch.Tensor, num_tokens: int) -> None:
+        """A prefill chunk's keys ``k [num_tokens, Hkv, D]`` of ``layer_id`` go to ``cpu_block``."""
+
+    def on_decode_offload(self, cpu_block: int, k_layers: torch.Tensor) -> None:
+        """A full decode block's keys of every layer ``[num_layers, block_size, Hkv, D]`` go to
+        ``cpu_block``."""
+
+    def reset(self) -> None:
+        """Forget per-request state (the engine calls it when a request's blocks are freed)."""
+
+    def select_blocks(self, available: list[int], offload_engine, ctx: PolicyContext,
+                      q: torch.Tensor) -> list[int]:
+        """Indices into ``ctx.cpu_blocks`` to attend to, in increasing order. Default: all."""
+        return available
+
+    # ---- the shared pipeline -----------------------------------------------------------
+    def compute_chunked_prefill(self, q, k, v, offload_engine, ctx: PolicyContext) -> torch.Tensor:
+        """Attention of a prefill chunk: causal over the chunk itself, non-causal over the
+        selected earlier blocks streamed through the ring buffer, merged by LSE. Also stores the
+        chunk's KV in the layer's prefill buffer and offloads it asynchronously."""
+        if not self.supports_prefill:
+            raise RuntimeError(f"{type(self).__name__} does not support prefill")
+        k_buf, v_buf = offload_engine.write_prefill_buffer(ctx.layer_id, k, v)
+        out, lse = flash_attn_with_lse(q.unsqueeze(0), k_buf.unsqueeze(0), v_buf.unsqueeze(0),
+                                       self.scale, causal=True)
+        offload_engine.offload_prefill_buffer_async(ctx.layer_id, ctx.chunk_block, k.size(0))
+        self.on_prefill_offload(ctx.chunk_block, ctx.layer_id, k_buf, k.size(0))
+        out, lse = self._attend_cpu_blocks(q.unsqueeze(0), out, lse, offload_engine, ctx)
+        return out.squeeze(0)
+
+    def compute_chunked_decode(self, q, offload_engine, ctx: PolicyContext) -> torch.Tensor:
+        """Attention of one decode query ``q [1, Hq, D]``: the decode buffer (current token
+        included) plus the selected offloaded blocks, merged by LSE."""
+        if not self.supports_decode:
+            raise RuntimeError(f"{type(self).__name__} does not support decode")
+        k_buf, v_buf = offload_engine.decode_buffer(ctx.layer_id, ctx.decode_row, ctx.decode_len)
+        out, lse = flash_attn_with_lse(q.unsqueeze(0), k_buf.unsqueeze(0), v_buf.unsqueeze(0),
+                                       self.scale, causal=False)
+        out, lse = self._attend_cpu_blocks(q.unsqueeze(0), out, lse, offload_engine, ctx)
+        return out.squeeze(0)
+
+    def _attend_cpu_blocks(self, q, out, lse, engine, ctx: PolicyContext):
+        """N-way pipeline over the selected CPU blocks (N = ring slots), merged into (out, lse)."""
+        chosen = self.select_blocks(list(range(len(ctx.cpu_blocks))), engine, ctx, q)
+        slots = engine.num_slots
+        for i in range(min(slots, len(chosen))):
+            engine.load_to_slot_layer(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]])
+        for i, index in enumerate(chosen):
+            slot = i % slots
+            engine.wait_slot_layer(slot)
+            k, v = engine.get_kv_for_slot(slot, ctx.block_lens[index])
+            o_blk, lse_blk = self.attend_block(q, k, v, ctx, index)
+            engine.record_slot_compute_done(slot)
+            if i + slots < len(chosen):
+                engine.load_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[i + slots]])
+            out, lse = merge_attention_outputs(out, lse, o_blk, lse_blk)
+        return out, lse
+
+    def attend_block(self, q, k, v, ctx: PolicyContext, index: int):
+        """Non-causal attention of q ``[1, Sq, Hq, D]`` over one loaded block ``[Sk, Hkv, D]``."""
+        return flash_attn_with_lse(q, k.unsqueeze(0), v.unsqueeze(0), self.scale, causal=False)
