@@ -105,11 +105,11 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         tokens = self.model_runner.run(seqs, is_prefill, self._generators)
         finished = self.scheduler.postprocess(seqs, tokens)
         for seq in finished:
             self._generators.pop(seq.seq_id, None)
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         return finished, num_tokens
 
     def is_finished(self) -> bool:
@@ -135,7 +135,13 @@ class LLMEngine:
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]
         seq_ids = [self._add(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
-        results = self._run_until_done(set(seq_ids), use_tqdm)
+        try:
+            results = self._run_until_done(set(seq_ids), use_tqdm)
+        except BaseException:
+            for seq_id in seq_ids:
+                self._generators.pop(seq_id, None)
+            self.scheduler.abort(set(seq_ids))
+            raise
         return [results[i] for i in seq_ids]
 
     def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, dict]:

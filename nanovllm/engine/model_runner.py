@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import RankChannel, init_process_group
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
@@ -44,6 +44,7 @@ class ModelRunner:
             init_process_group(config.device, rank, self.world_size, port)
         self.model = self._build_model()
         self.sampler = Sampler()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.kv_cache = self.offload_engine = None
         self.graphs: DecodeGraphs | None = None
         self.channel = RankChannel(channel_name, rank, events) if self.world_size > 1 else None
@@ -290,13 +291,25 @@ class ModelRunner:
                 self.policy.on_decode_offload(seq.block_table[-1], self.offload_engine.decode_block(seq.decode_row))
 
     def prepare_decode(self, seqs: list[Sequence]):
+        """Decode inputs. On CUDA the batch is padded to the next captured graph size and the
+        block table to its full width, with or without graphs, so eager and graph decode run the
+        same kernels on the same shapes and give identical tokens."""
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
         slots = [self._slot(seq, len(seq) - 1) for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
+        width = max(map(len, tables))
+        if self.device.type == "cuda":
+            cfg = self.config
+            pad = next((s for s in captured_batch_sizes(cfg.max_num_seqs) if s >= len(seqs)), len(seqs)) - len(seqs)
+            input_ids, positions = input_ids + [0] * pad, positions + [0] * pad
+            slots, context_lens, tables = slots + [-1] * pad, context_lens + [0] * pad, tables + [[]] * pad
+            width = max(width, -(-cfg.max_model_len // self.block_size))
         set_context(Context(
             is_prefill=False, slot_mapping=self._tensor(slots, torch.int64),
-            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
-            block_tables=self._block_tables(seqs)))
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._tensor([t + [-1] * (width - len(t)) for t in tables], torch.int32)))
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                 list(range(len(seqs))))
 
@@ -318,7 +331,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         if not sample_idx:
             return hidden.new_empty(0, 0)
-        return self.model.compute_logits(hidden[self._tensor(sample_idx, torch.int64)])
+        if len(sample_idx) < hidden.size(0):
+            hidden = hidden[self._tensor(sample_idx, torch.int64)]
+        return self.model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], is_prefill: bool,
             generators: dict[int, torch.Generator] | None = None) -> list[int | None]:
@@ -344,12 +359,15 @@ class ModelRunner:
             self._offload_full_decode_blocks(seqs)
         if self.rank > 0 or not sample_idx:
             return [None] * len(seqs) if self.rank == 0 else []
-        sampled_seqs = [seqs[i] for i in range(len(seqs))
-                        if not is_prefill or self._finishes_prefill(seqs[i])]
+        sampled_seqs = [seq for seq in seqs if not is_prefill or self._finishes_prefill(seq)]
+        params = [seq.sampling_params for seq in sampled_seqs]
         temperatures, top_k, top_p = self._sampling_tensors(sampled_seqs)
         rows = {row: generators[seq.seq_id] for row, seq in enumerate(sampled_seqs)
                 if generators and seq.seq_id in generators}
-        tokens = iter(self.sampler(logits, temperatures, top_k, top_p, rows).tolist())
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        needs_filter = any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows)
+        tokens = iter(self.sampler(logits, temperatures, top_k, top_p, rows, sampled_rows,
+                                   needs_filter, self.generator).tolist())
         return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
                 for seq in seqs]
 

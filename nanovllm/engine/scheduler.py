@@ -84,6 +84,16 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         return scheduled
 
+    def abort(self, seq_ids: set[int]):
+        """Drop these requests wherever they are, freeing their blocks."""
+        for queue in (self.waiting, self.running):
+            for seq in [s for s in queue if s.seq_id in seq_ids]:
+                queue.remove(seq)
+                if seq.block_table:
+                    self.block_manager.deallocate(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+
     def _preempt(self, seq: Sequence):
         logger.debug("preempting sequence %d (%d tokens)", seq.seq_id, len(seq))
         self.block_manager.deallocate(seq)

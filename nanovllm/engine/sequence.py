@@ -12,6 +12,27 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+class _TokenWindow:
+    """A sequence's token ids as a tensor-parallel worker sees them: the full length, and only
+    the tokens of the current step (a prefill chunk, or the last token for decode)."""
+
+    __slots__ = ("length", "start", "tokens")
+
+    def __init__(self, token_ids: list[int], start: int, end: int):
+        self.length, self.start, self.tokens = len(token_ids), start, token_ids[start:end]
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.length)
+            if step != 1 or start < self.start or stop > self.start + len(self.tokens):
+                raise IndexError(f"tokens {start}:{stop} are outside this step's window")
+            return self.tokens[start - self.start:stop - self.start]
+        return self.tokens[index % self.length - self.start]
+
+
 class Sequence:
     """One request: prompt + generated token ids, its block table and its KV progress.
 
@@ -39,6 +60,13 @@ class Sequence:
 
     def __len__(self):
         return len(self.token_ids)
+
+    def __getstate__(self):
+        """Pickled for the TP workers each step: send only this step's tokens, not the history."""
+        state = self.__dict__.copy()
+        start = self.num_computed_tokens
+        state["token_ids"] = _TokenWindow(self.token_ids, start, start + max(self.num_scheduled_tokens, 1))
+        return state
 
     @property
     def is_finished(self) -> bool:

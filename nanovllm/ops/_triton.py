@@ -1,0 +1,67 @@
+"""Triton availability, kernel dispatch and shared argument checks for ``nanovllm.ops``.
+
+A kernel module decorates its kernels with ``triton.jit`` from here. Without Triton (CPU-only
+installs) ``triton.jit`` is the identity and ``tl.constexpr`` a placeholder, so the modules still
+import; ``use_triton`` is then always False and no kernel is launched.
+"""
+
+import os
+import types
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    triton = types.SimpleNamespace(jit=lambda fn: fn)
+    tl = types.SimpleNamespace(constexpr=None)
+    HAS_TRITON = False
+
+MAX_HEAD_DIM = 256
+"""Largest head_dim any op accepts (Triton tiles pad head_dim to a power of two <= this)."""
+
+INTERPRET_ENV = "NANOVLLM_TRITON_INTERPRET"
+"""Set to "1" (together with TRITON_INTERPRET=1 before Triton is imported) to run the Triton
+kernels on CPU tensors through Triton's interpreter; the tests use it."""
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the Triton kernel should handle ``tensor``: a CUDA tensor, or a CPU tensor while
+    both ``NANOVLLM_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1`` are set. False without Triton."""
+    if not HAS_TRITON:
+        return False
+    if tensor.is_cuda:
+        return True
+    return os.environ.get(INTERPRET_ENV) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise ValueError unless 1 <= head_dim <= MAX_HEAD_DIM."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim} is outside the supported range 1..{MAX_HEAD_DIM}")
+
+
+def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise ValueError unless num_q_heads is a positive multiple of num_kv_heads."""
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (>= 1)"
+        )
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def block_dim(head_dim: int) -> int:
+    """Triton tile width for head_dim: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, next_pow2(head_dim))

@@ -1,0 +1,263 @@
+"""Paged decode attention: one new query token per sequence over its cached context.
+
+The CUDA kernel follows Flash-Decoding (Dao et al., 2023): the context is split into chunks
+(split-K); each program owns one (sequence, kv head, split), loads the q heads of its GQA group
+once, walks its tokens in tiles through the block table with FlashAttention-2's online softmax
+(fp32 running max, sum and accumulator), and writes a partial output plus its log-sum-exp. A
+second kernel merges the splits by LSE.
+"""
+
+import functools
+
+import torch
+
+from ._triton import block_dim, cdiv, check_gqa, check_head_dim, next_pow2, tl, triton, use_triton
+from .chunked_attention import flash_attn_with_lse_ref
+from .store_kv import gather_kvcache
+
+_BLOCK_G = 16
+"""q heads per program: a GQA group (padded) or a 16-head slice of a larger one; tl.dot needs 16."""
+_PROGRAMS_PER_SM = 4
+"""Split-K aims at this many programs per SM (2, 4 and 8 measured within 4% on the H200)."""
+_MAX_SPLITS = 32
+_MIN_SPLIT_TOKENS = 256
+"""A split covers at least this many of the M * block_size token slots."""
+_BLOCK_N = 64
+"""KV tokens per tile for head_dim <= 128 (half of it above); 32 and 128 measured slower."""
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+
+def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D]; got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q head_dim={q.shape[2]} != cache head_dim={k_cache.shape[3]}")
+    check_gqa(q.shape[1], k_cache.shape[2])
+    check_head_dim(q.shape[2])
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    if context_lens.shape != (q.shape[0],):
+        raise ValueError(f"context_lens must be [B={q.shape[0]}]; got {tuple(context_lens.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference of :func:`decode_attention` (same arguments and result; reads context_lens on
+    the host). Raises ValueError when a context length is outside 0..max_blocks * block_size."""
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    out = torch.zeros_like(q)
+    max_tokens = block_tables.shape[1] * k_cache.shape[1]
+    for b, length in enumerate(context_lens.tolist()):
+        if not 0 <= length <= max_tokens:
+            raise ValueError(f"context_lens[{b}]={length} is outside 0..{max_tokens} (max_blocks * block_size)")
+        if length:
+            keys = gather_kvcache(k_cache, block_tables[b], length)[None]
+            values = gather_kvcache(v_cache, block_tables[b], length)[None]
+            out[b] = flash_attn_with_lse_ref(q[b][None, None], keys, values, scale, False)[0][0, 0]
+    return out
+
+
+@triton.jit
+def _decode_tile(
+    q, k_ptr, v_ptr, table_row_ptr, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
+    scale_log2, tokens_per_split, max_tokens,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1) // G_CHUNKS
+    g = (tl.program_id(1) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
+    split = tl.program_id(2)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    start = split * tokens_per_split
+    end = tl.minimum(tl.minimum(start + tokens_per_split, tl.load(lens_ptr + b)), max_tokens)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table_row = table_ptr + b * stride_tb
+    # Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled kernels keep the
+    # for loop, which Triton software-pipelines (the while form ran 10-20% slower on the H200).
+    if WHILE_LOOP:
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, table_row, n0, end, m_i, l_i, acc, d, d_mask,
+                                         scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                         BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, table_row, n0, end, m_i, l_i, acc, d, d_mask,
+                                         scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+                                         BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    part = b * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(o_part_ptr + part[:, None] + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    mask = s_mask[:, None] & (d < HEAD_DIM)[None, :]
+    parts = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=mask, other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split_plan(programs_per_split: int, max_tokens: int, block_n: int, device, num_splits) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) from shapes only, so a captured CUDA graph stays valid."""
+    if num_splits is None:
+        wanted = cdiv(_PROGRAMS_PER_SM * _sm_count(device), programs_per_split)
+        num_splits = min(wanted, _MAX_SPLITS, max(1, max_tokens // _MIN_SPLIT_TOKENS))
+    tokens_per_split = max(block_n, cdiv(cdiv(max_tokens, num_splits), block_n) * block_n)
+    return max(1, cdiv(max_tokens, tokens_per_split)), tokens_per_split
+
+
+def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    batch, heads_q, dim = q.shape
+    block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    group = heads_q // heads_kv
+    g_chunks = cdiv(group, _BLOCK_G)
+    block_d = block_dim(dim)
+    block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
+    max_tokens = block_tables.shape[1] * block_size
+    splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    o_part = torch.empty((batch, heads_q, splits, dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, heads_kv * g_chunks, splits)](
+        q, k_cache, v_cache, tables, lens, o_part, lse_part,
+        scale * 1.4426950408889634, tokens_per_split, max_tokens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    out = torch.empty((batch, heads_q, dim), dtype=q.dtype, device=q.device)
+    _decode_reduce_kernel[(batch, heads_q)](
+        o_part, lse_part, out, splits,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=dim, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's one new query over its paged cached context.
+
+    Args:
+        q: ``[B, Hq, D]``, float16/bfloat16/float32, ``1 <= D <= 256``; rows may be strided.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: q head
+            h uses kv head ``h // (Hq // Hkv)``) and a contiguous last dim.
+        block_tables: int32 ``[B, M]`` block ids; entries past a sequence's context are not read.
+        context_lens: int32 ``[B]``, tokens to attend to (the new token included, already stored),
+            ``0 <= context_lens[b] <= M * block_size``; 0 (padded rows) gives an output of zeros.
+        scale: softmax scale (usually ``D ** -0.5``).
+        num_splits: split-K chunks per sequence; None picks one from B, heads and M only.
+
+    Returns:
+        ``[B, Hq, D]`` in q.dtype.
+
+    Raises:
+        ValueError: inconsistent shapes, Hq not a multiple of Hkv, D outside 1..256, a
+            non-contiguous cache head_dim; the reference also rejects context lengths out of range.
+
+    CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits), with
+    a grid fixed by the shapes and no host sync, so the call is CUDA-graph capturable (run it once
+    before capture so Triton compiles). On the H200 it read KV at 4.1-4.4 TB/s for batch 64-256 at
+    2K-4K tokens (cuDNN over contiguous KV: 4.2-4.6), so flash_attn's paged kernel is not used.
+    Lengths are not range-checked on the device. CPU: :func:`decode_attention_ref`.
+    """
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if q.shape[0] == 0 or not use_triton(q):
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)

@@ -1,0 +1,79 @@
+"""Helpers shared by the CPU tests (imported by conftest.py and the test modules)."""
+import random
+
+VOCAB_SIZE = 2048
+EOS_ID = 2
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; "</s>" is EOS_ID
+
+ENGINE_DEFAULTS = dict(max_model_len=1024, num_kvcache_blocks=32, kvcache_block_size=256,
+                       device="cpu", dtype="float32", enforce_eager=True)
+
+
+def build_llm(model_dir, **kwargs):
+    """An engine with CPU-friendly defaults (``ENGINE_DEFAULTS`` overridden by ``kwargs``)."""
+    from nanovllm import LLM
+
+    return LLM(model_dir, **{**ENGINE_DEFAULTS, **kwargs})
+
+
+def random_prompt(n: int, seed: int, low: int = len(SPECIAL_TOKENS), high: int = VOCAB_SIZE) -> list[int]:
+    """``n`` random token ids (no special tokens) from a fixed seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kwargs):
+    from nanovllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+def run_requests(llm, prompts, params) -> dict[int, dict]:
+    """Queue ``prompts`` with add_request and step until the engine is idle.
+
+    Returns ``{seq_id: {"token_ids", "finish_reason", "seq"}}`` in queueing order."""
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    while not llm.is_finished():
+        finished, _ = llm.step()
+        for seq in finished:
+            done[seq.seq_id] = {"token_ids": seq.completion_token_ids,
+                                "finish_reason": seq.finish_reason, "seq": seq}
+    return {i: done[i] for i in ids}
+
+
+ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2")  # conftest fixtures f"{arch}_dir"
+
+
+class StepRecorder:
+    """Wraps ``llm.model_runner.run`` to record, per step, whether it was a prefill and the
+    tokens each sequence computed: ``steps = [(is_prefill, [(seq_id, num_tokens), ...]), ...]``."""
+
+    def __init__(self, llm):
+        self.llm, self.steps = llm, []
+        self._run = llm.model_runner.run
+
+        def run(seqs, is_prefill, *args, **kwargs):
+            self.steps.append((is_prefill, [(s.seq_id, s.num_scheduled_tokens) for s in seqs]))
+            return self._run(seqs, is_prefill, *args, **kwargs)
+
+        llm.model_runner.run = run
+
+    def close(self):
+        del self.llm.model_runner.run  # back to the class method
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def prefill_tokens(self, seq_id: int) -> list[int]:
+        """Chunk sizes computed for ``seq_id`` in prefill steps."""
+        return [n for is_prefill, rows in self.steps if is_prefill for sid, n in rows if sid == seq_id]

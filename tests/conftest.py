@@ -1,0 +1,154 @@
+"""Shared fixtures: tiny random-weight checkpoints of the supported architectures.
+
+Every checkpoint is built offline with transformers (fixed seed, float32, safetensors) together
+with a small word-level tokenizer whose vocabulary matches the model's, and a
+``generation_config.json`` naming the end-of-sequence id. They are session scoped, so each is
+written once per test run.
+"""
+import functools
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from _util import EOS_ID, SPECIAL_TOKENS, VOCAB_SIZE, build_llm
+
+MAX_POSITIONS = 4096
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+    "rope_theta": 500000.0,
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test that takes more than a few seconds")
+
+
+@functools.lru_cache(maxsize=None)
+def _build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries (the special tokens first),
+    trained on a fixed random corpus of made-up words. Byte-level BPE is what transformers'
+    model-specific classes (e.g. Qwen2Tokenizer, picked by AutoTokenizer for model_type qwen2)
+    rebuild from tokenizer.json, so every architecture loads it the same way."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    assert tok.get_vocab_size() == vocab_size
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def _save_checkpoint(path, config_cls, model_cls, seed: int, **config_kwargs):
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS,
+                        bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=3, rms_norm_eps=1e-6,
+                        hidden_act="silu", **config_kwargs)
+    model = model_cls(config).float().eval()
+    # Random init is tiny (std 0.02); scale up so logits are not flat and argmax is stable.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(3.0)
+    model.save_pretrained(path, safe_serialization=True)
+    _build_tokenizer(VOCAB_SIZE).save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=3).save_pretrained(path)
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert any(f.endswith(".safetensors") for f in os.listdir(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """Qwen3: per-head q/k RMSNorm, GQA 2:1, head_dim 32, untied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("qwen3"), Qwen3Config, Qwen3ForCausalLM, 0,
+                            hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(tmp_path_factory):
+    """Llama 3: llama3 RoPE scaling (factor 8, low 1, high 4, original 1024, theta 5e5), untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("llama3"), LlamaConfig, LlamaForCausalLM, 1,
+                            hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_dir(tmp_path_factory):
+    """SmolLM2-like Llama: GQA 3:1 (6 q / 2 kv heads), head_dim 64, tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("llama_tied"), LlamaConfig, LlamaForCausalLM, 2,
+                            hidden_size=384, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=6, num_key_value_heads=2,
+                            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    """Qwen2: qkv bias, MHA (2 q / 2 kv heads) with head_dim 128, untied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("qwen2"), Qwen2Config, Qwen2ForCausalLM, 3,
+                            hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=2,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def unsupported_dir(tmp_path_factory, qwen3_dir):
+    """A copy of the qwen3 checkpoint whose config names an unregistered architecture."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("unsupported")
+    for name in os.listdir(qwen3_dir):
+        shutil.copy(os.path.join(qwen3_dir, name), path / name)
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    cfg_path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def llm_factory():
+    """``llm_factory(model_dir, **kwargs)``: an engine with CPU-friendly defaults, shut down at
+    the end of the test (shutdown is idempotent, so tests may also call it themselves)."""
+    engines = []
+
+    def make(model_dir, **kwargs):
+        llm = build_llm(model_dir, **kwargs)
+        engines.append(llm)
+        return llm
+
+    yield make
+    for llm in engines:
+        llm.shutdown()

@@ -1,0 +1,199 @@
+"""CUDA kernels of nanovllm.ops against their torch references at realistic sizes (bf16, head_dim
+64/128, GQA 2:1-4:1, block_size 256, contexts up to 8K, decode batches up to 256)."""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from nanovllm.ops import (
+    decode_attention,
+    decode_attention_ref,
+    flash_attn_with_lse,
+    flash_attn_with_lse_ref,
+    merge_attention_outputs,
+    merge_attention_outputs_ref,
+    prefill_attention,
+    prefill_attention_ref,
+    store_kvcache,
+    store_kvcache_ref,
+)
+from nanovllm.ops import chunked_attention
+
+prefill_module = importlib.import_module("nanovllm.ops.prefill_attention")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = "cuda"
+BLOCK_SIZE = 256
+NEG_INF = float("-inf")
+GQA = [(16, 8), (24, 8), (32, 8)]
+
+
+def assert_close(actual, expected, rel=1e-2, atol=3e-2):
+    """No NaN, relative Frobenius error under rel and max abs error under atol."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert not torch.isnan(actual).any()
+    diff = actual.float() - expected.float()
+    relative = diff.norm() / (expected.float().norm() + 1e-6)
+    assert relative <= rel, f"relative error {relative:.3e}"
+    assert diff.abs().max() <= atol, f"max abs error {diff.abs().max():.3e}"
+
+
+def paged_cache(contexts, heads_kv, dim, dtype, pad_table=3):
+    """Caches with every context in shuffled blocks, block tables (int32, -1 padded)."""
+    counts = [math.ceil(n / BLOCK_SIZE) for n in contexts]
+    num_blocks = sum(counts) + 5
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, heads_kv, dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, heads_kv, dim, device=DEVICE).to(dtype)
+    order = torch.randperm(num_blocks).tolist()
+    tables = torch.full((len(contexts), max(counts, default=0) + pad_table), -1, dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(counts):
+        tables[b, :count] = torch.tensor(order[used : used + count], dtype=torch.int32)
+        used += count
+    return k_cache, v_cache, tables.to(DEVICE)
+
+
+def test_store_kvcache_matches_reference():
+    layers = torch.randn(2, 4, 40, BLOCK_SIZE, 8, 128, device=DEVICE).bfloat16()
+    expected = layers.clone()
+    qkv = torch.randn(5000, 48, 128, device=DEVICE).bfloat16()
+    key, value = qkv[:, 32:40], qkv[:, 40:48]
+    slots = torch.randperm(40 * BLOCK_SIZE, device=DEVICE)[:5000]
+    slots[::17] = -1
+    store_kvcache(key, value, layers[0, 2], layers[1, 2], slots.int())
+    store_kvcache_ref(key, value, expected[0, 2], expected[1, 2], slots.int())
+    assert torch.equal(layers, expected)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_merge_matches_reference_with_neg_inf(dim):
+    o1 = torch.randn(2, 1024, 32, dim, device=DEVICE).bfloat16()
+    o2 = torch.randn(2, 1024, 32, dim, device=DEVICE).bfloat16()
+    lse1 = torch.randn(2, 32, 1024, device=DEVICE) * 5
+    lse2 = torch.randn(2, 32, 1024, device=DEVICE) * 5
+    lse1[0, :, :100] = NEG_INF
+    o1[0, :100] = float("nan")
+    lse2[1, 3, 500:] = NEG_INF
+    lse1[1, 3, 900:] = NEG_INF
+    out, lse = merge_attention_outputs(o1, lse1, o2, lse2)
+    ref_out, ref_lse = merge_attention_outputs_ref(o1, lse1, o2, lse2)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out[0, :100], o2[0, :100]) and torch.equal(lse[0, :, :100], lse2[0, :, :100])
+    assert (out[1, 900:, 3] == 0).all() and torch.isneginf(lse[1, 3, 900:]).all()
+    assert_close(out, ref_out, rel=5e-3, atol=1.6e-2)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads_q,heads_kv", GQA)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(1024, 1024), (300, 2048), (1, 777)])
+def test_flash_attn_with_lse_matches_reference(dim, heads_q, heads_kv, causal, seq_q, seq_k):
+    q = torch.randn(2, seq_q, heads_q, dim, device=DEVICE).bfloat16()
+    k = torch.randn(2, seq_k, heads_kv, dim, device=DEVICE).bfloat16()
+    v = torch.randn(2, seq_k, heads_kv, dim, device=DEVICE).bfloat16()
+    out, lse = flash_attn_with_lse(q, k, v, dim**-0.5, causal)
+    ref_out, ref_lse = flash_attn_with_lse_ref(q, k, v, dim**-0.5, causal)
+    assert lse.dtype == torch.float32 and lse.shape == (2, heads_q, seq_q)
+    assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-3)
+    assert not any(key[0] == "cudnn" for key in chunked_attention._failed_backends), chunked_attention._failed_backends
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_flash_attn_with_lse_other_dtypes(dtype):
+    q = torch.randn(1, 200, 16, 128, device=DEVICE).to(dtype)
+    k, v = torch.randn(1, 900, 8, 128, device=DEVICE).to(dtype), torch.randn(1, 900, 8, 128, device=DEVICE).to(dtype)
+    out, lse = flash_attn_with_lse(q, k, v, 128**-0.5, True)
+    ref_out, ref_lse = flash_attn_with_lse_ref(q, k, v, 128**-0.5, True)
+    assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-3)
+
+
+def new_token_slots(seqlens_q, prefixes, tables):
+    """Flat cache slots of every sequence's new tokens (positions prefix .. prefix + n - 1)."""
+    slots = []
+    for i, (n, p) in enumerate(zip(seqlens_q, prefixes)):
+        pos = torch.arange(p, p + n, device=DEVICE)
+        slots.append(tables[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    return torch.cat(slots)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads_q,heads_kv", GQA)
+@pytest.mark.parametrize(
+    "seqlens_q,prefixes",
+    [([1000, 37, 1024, 1, 2048, 0], [0, 700, 7000, 8190, 1500, 300]),  # several: varlen launch
+     ([300] * 24, [0] * 24),
+     ([2000], [6000]), ([4096], [0]), ([2048, 1500], [0, 3000])],  # long ones: cuDNN per sequence
+)
+def test_prefill_attention_with_cached_prefix(dim, heads_q, heads_kv, seqlens_q, prefixes):
+    seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
+    k_cache, v_cache, tables = paged_cache(seqlens_k, heads_kv, dim, torch.bfloat16)
+    q = torch.randn(sum(seqlens_q), heads_q, dim, device=DEVICE).bfloat16()
+    k = torch.randn(sum(seqlens_q), heads_kv, dim, device=DEVICE).bfloat16()
+    v = torch.randn(sum(seqlens_q), heads_kv, dim, device=DEVICE).bfloat16()
+    store_kvcache(k, v, k_cache, v_cache, new_token_slots(seqlens_q, prefixes, tables))
+    out = prefill_attention(q, k, v, seqlens_q, seqlens_k, dim**-0.5, k_cache, v_cache, tables)
+    ref = prefill_attention_ref(q, k, v, seqlens_q, seqlens_k, dim**-0.5, k_cache, v_cache, tables)
+    assert_close(out, ref)
+    assert not prefill_module._varlen_failed
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads_q,heads_kv", GQA)
+@pytest.mark.parametrize("batch,max_context", [(1, 8192), (4, 8192), (37, 3000), (256, 4096)])
+def test_decode_attention_matches_reference(dim, heads_q, heads_kv, batch, max_context):
+    contexts = torch.randint(0, max_context + 1, (batch,)).tolist()
+    contexts[0] = max_context
+    if batch > 1:
+        contexts[1] = 0
+    k_cache, v_cache, tables = paged_cache(contexts, heads_kv, dim, torch.bfloat16)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    qkv = torch.randn(batch, heads_q + 2 * heads_kv, dim, device=DEVICE).bfloat16()
+    q = qkv[:, :heads_q]
+    out = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    assert_close(out, ref)
+    if batch > 1:
+        assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_attention_forced_splits_and_dtypes(num_splits, dtype):
+    contexts = [0, 1, 255, 256, 257, 3001, 4096]
+    k_cache, v_cache, tables = paged_cache(contexts, 8, 128, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(contexts), 32, 128, device=DEVICE).to(dtype)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, num_splits=num_splits)
+    ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, 128**-0.5)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert (out[0] == 0).all()
+
+
+def test_decode_attention_cuda_graph_replay():
+    batch, heads_q, heads_kv, dim, max_blocks = 64, 32, 8, 128, 16
+    k_cache, v_cache, _ = paged_cache([max_blocks * BLOCK_SIZE] * batch, heads_kv, dim, torch.bfloat16)
+    q = torch.randn(batch, heads_q, dim, device=DEVICE).bfloat16()
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    for _ in range(2):
+        contexts = torch.randint(0, max_blocks * BLOCK_SIZE + 1, (batch,))
+        contexts[::9] = 0
+        q.copy_(torch.randn_like(q))
+        tables.copy_(torch.stack([torch.randperm(k_cache.shape[0])[:max_blocks] for _ in range(batch)]).int())
+        lens.copy_(contexts.int())
+        graph.replay()
+        ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, dim**-0.5)
+        assert_close(out, ref)
+        assert (out[::9] == 0).all()

@@ -1,0 +1,157 @@
+"""Scheduling: preemption under a tiny KV pool, chunked prefill, max_num_seqs, step counts."""
+import pytest
+
+from nanovllm import SamplingParams
+
+from _util import StepRecorder, build_llm, greedy, random_prompt, run_requests, token_ids
+
+BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def reference_llm(llama3_dir):
+    """Unconstrained engine: plenty of blocks, big token budget."""
+    engine = build_llm(llama3_dir, num_kvcache_blocks=64, max_num_batched_tokens=8192)
+    yield engine
+    engine.shutdown()
+
+
+def count_preemptions(llm, monkeypatch) -> list[int]:
+    """Record the seq_id of every preempted sequence."""
+    preempted = []
+    original = llm.scheduler._preempt
+
+    def preempt(seq):
+        preempted.append(seq.seq_id)
+        return original(seq)
+
+    monkeypatch.setattr(llm.scheduler, "_preempt", preempt)
+    return preempted
+
+
+# 20 requests: prompts of 1..600 tokens, outputs that cross 256-token block boundaries.
+PREEMPT_CASES = [(n, m) for n, m in zip(
+    (1, 250, 600, 30, 500, 255, 7, 400, 256, 120, 511, 90, 300, 240, 60, 480, 200, 10, 700, 150),
+    (20, 30, 40, 10, 30, 10, 12, 30, 20, 15, 20, 10, 30, 40, 15, 45, 60, 8, 24, 20))]
+
+
+def preempt_params():
+    """Greedy rows and seeded sampled rows (a seeded row's tokens must survive recomputation)."""
+    params = []
+    for i, (_, m) in enumerate(PREEMPT_CASES):
+        if i % 4 == 3:
+            params.append(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1000 + i,
+                                         max_tokens=m, ignore_eos=True))
+        else:
+            params.append(greedy(m))
+    return params
+
+
+@pytest.mark.slow
+def test_preemption_under_a_tiny_kv_pool(llama3_dir, reference_llm, monkeypatch):
+    prompts = [random_prompt(n, seed=400 + i) for i, (n, _) in enumerate(PREEMPT_CASES)]
+    params = preempt_params()
+    expected = reference_llm.generate(prompts, params, use_tqdm=False)
+    with build_llm(llama3_dir, num_kvcache_blocks=5, max_model_len=1024) as llm:
+        preempted = count_preemptions(llm, monkeypatch)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == 5 and all(b.ref_count == 0 for b in bm.blocks)
+        assert llm.is_finished()
+    assert preempted, "the KV pool of 5 blocks should have forced at least one preemption"
+    assert [len(o["token_ids"]) for o in out] == [m for _, m in PREEMPT_CASES]
+    assert token_ids(out) == token_ids(expected)
+    assert all(o["finish_reason"] == "length" for o in out)
+
+
+def test_preemption_with_add_request_and_step(llama3_dir, reference_llm, monkeypatch):
+    """Same through the step API, with a pool where two long requests cannot both grow."""
+    prompts = [random_prompt(500, seed=450), random_prompt(500, seed=451), random_prompt(20, seed=452)]
+    sp = greedy(40)  # 500 + 40 crosses the 512 boundary: each needs a third block
+    expected = reference_llm.generate(prompts, sp, use_tqdm=False)
+    with build_llm(llama3_dir, num_kvcache_blocks=5, max_model_len=1024) as llm:
+        preempted = count_preemptions(llm, monkeypatch)
+        results = run_requests(llm, prompts, sp)
+    assert preempted
+    assert [r["token_ids"] for r in results.values()] == token_ids(expected)
+
+
+@pytest.mark.parametrize("budget", [256, 100])
+def test_chunked_prefill_equals_unchunked(llama3_dir, reference_llm, budget):
+    prompt = random_prompt(1000, seed=460)
+    sp = greedy(24)  # 1000 + 24 = max_model_len
+    expected = reference_llm.generate([prompt], sp, use_tqdm=False)[0]
+    with build_llm(llama3_dir, max_num_batched_tokens=budget, num_kvcache_blocks=8) as llm:
+        with StepRecorder(llm) as rec:
+            (r,) = run_requests(llm, [prompt], sp).values()
+    chunks = rec.prefill_tokens(r["seq"].seq_id)
+    assert sum(chunks) == 1000 and max(chunks) <= budget
+    assert len(chunks) == -(-1000 // budget)
+    assert r["token_ids"] == expected["token_ids"]
+
+
+def test_chunked_prefill_batch_with_decodes(llama3_dir, reference_llm):
+    """Several prompts under a small budget: prefills are split and interleave with decodes."""
+    prompts = [random_prompt(n, seed=470 + n) for n in (700, 30, 300, 520, 5)]
+    sp = greedy(20)
+    expected = reference_llm.generate(prompts, sp, use_tqdm=False)
+    with build_llm(llama3_dir, max_num_batched_tokens=128, num_kvcache_blocks=16) as llm:
+        with StepRecorder(llm) as rec:
+            out = llm.generate(prompts, sp, use_tqdm=False)
+    assert token_ids(out) == token_ids(expected)
+    for is_prefill, rows in rec.steps:
+        if is_prefill:
+            assert sum(n for _, n in rows) <= 128
+
+
+def test_max_num_seqs_is_respected(llama3_dir, reference_llm):
+    prompts = [random_prompt(n, seed=480 + n) for n in (3, 50, 200, 260, 10, 90, 400, 1)]
+    sp = greedy(12)
+    expected = reference_llm.generate(prompts, sp, use_tqdm=False)
+    with build_llm(llama3_dir, max_num_seqs=3, num_kvcache_blocks=16) as llm:
+        with StepRecorder(llm) as rec:
+            out = llm.generate(prompts, sp, use_tqdm=False)
+            assert len(llm.scheduler.running) == 0
+    assert token_ids(out) == token_ids(expected)
+    assert max(len(rows) for _, rows in rec.steps) == 3
+
+
+def test_prefill_has_priority_and_decode_batches_all_running(llama3_dir):
+    with build_llm(llama3_dir, num_kvcache_blocks=16) as llm:
+        with StepRecorder(llm) as rec:
+            a = llm.add_request(random_prompt(40, seed=490), greedy(5))
+            b = llm.add_request(random_prompt(60, seed=491), greedy(5))
+            llm.step()
+            c = llm.add_request(random_prompt(30, seed=492), greedy(5))
+            llm.step()
+            llm.step()
+    first, second, third = rec.steps
+    assert first == (True, [(a, 40), (b, 60)])
+    assert second == (True, [(c, 30)])  # a new prompt is prefilled before decodes continue
+    assert third[0] is False and [sid for sid, _ in third[1]] == [a, b, c]
+
+
+def test_step_reports_tokens_processed(llama3_dir):
+    """step() returns positive prefill token counts and -batch for decode (nano-vLLM)."""
+    with build_llm(llama3_dir, num_kvcache_blocks=16) as llm:
+        llm.add_request(random_prompt(40, seed=493), greedy(3))
+        llm.add_request(random_prompt(60, seed=494), greedy(3))
+        _, prefill_tokens = llm.step()
+        _, decode_tokens = llm.step()
+        while not llm.is_finished():
+            llm.step()
+    assert prefill_tokens == 100
+    assert decode_tokens == -2
+
+
+def test_finished_sequences_free_their_blocks_between_steps(llama3_dir):
+    with build_llm(llama3_dir, num_kvcache_blocks=8) as llm:
+        bm = llm.scheduler.block_manager
+        llm.add_request(random_prompt(300, seed=495), greedy(1))
+        llm.add_request(random_prompt(10, seed=496), greedy(3))
+        finished, _ = llm.step()
+        assert [s.num_completion_tokens for s in finished] == [1]  # max_tokens=1 ends at prefill
+        assert bm.num_free_blocks == 8 - 1
+        while not llm.is_finished():
+            llm.step()
+        assert bm.num_free_blocks == 8
