@@ -26,6 +26,7 @@ from nanovllm.utils.loader import load_model
 logger = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.25
+DECODE_BUFFER_SHARE = 4  # offload mode: decode buffers take at most 1/4 of the KV budget
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
@@ -144,7 +145,8 @@ class ModelRunner:
         row_bytes = self.kv_block_bytes()  # one block of every layer, K and V
         fixed = (cfg.num_gpu_blocks + len(layers)) * row_bytes // len(layers) + row_bytes
         budget = self._gpu_budget() if self.device.type == "cuda" else self._cpu_budget()
-        self.num_decode_rows = max(1, min(cfg.max_num_seqs, (budget - fixed) // row_bytes))
+        rows = (budget - fixed) // DECODE_BUFFER_SHARE // row_bytes
+        self.num_decode_rows = max(1, min(cfg.max_num_seqs, rows))
         num_cpu_blocks = self._num_cpu_blocks()
         self.offload_engine = OffloadEngine(
             len(layers), layer.num_kv_heads, layer.head_dim, cfg.dtype, self.device,

@@ -65,10 +65,12 @@ class OffloadEngine:
         block_shape = (block_size, num_kv_heads, head_dim)
         self.k_cpu, self.v_cpu = (self._host_cache((num_layers, num_cpu_blocks, *block_shape), dtype)
                                   for _ in range(2))
+        # Uninitialised on purpose: every slot, buffer row and host block is written before it is
+        # read (valid lengths bound every read), and untouched pages cost nothing on the host.
         gpu = dict(dtype=dtype, device=device)
-        self.k_slots, self.v_slots = (torch.zeros(num_slots, *block_shape, **gpu) for _ in range(2))
-        self.k_prefill, self.v_prefill = (torch.zeros(num_layers, *block_shape, **gpu) for _ in range(2))
-        self.k_decode, self.v_decode = (torch.zeros(num_decode_rows, num_layers, *block_shape, **gpu)
+        self.k_slots, self.v_slots = (torch.empty(num_slots, *block_shape, **gpu) for _ in range(2))
+        self.k_prefill, self.v_prefill = (torch.empty(num_layers, *block_shape, **gpu) for _ in range(2))
+        self.k_decode, self.v_decode = (torch.empty(num_decode_rows, num_layers, *block_shape, **gpu)
                                         for _ in range(2))
         self.block_bytes = block_size * num_kv_heads * head_dim * dtype.itemsize
         self.bytes_h2d = self.bytes_d2h = 0
@@ -77,7 +79,7 @@ class OffloadEngine:
     def _host_cache(self, shape, dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         try:
-            return torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)
+            return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         except RuntimeError as err:
             raise RuntimeError(f"cannot allocate {'pinned ' if self.cuda else ''}host KV cache of "
                                f"{nbytes / 2**30:.2f} GiB {tuple(shape)}: {err}") from err
@@ -171,7 +173,7 @@ class OffloadEngine:
         layer_pitch = self.num_cpu_blocks * self.block_bytes
         for src, dst in ((self.k_decode, self.k_cpu), (self.v_decode, self.v_cpu)):
             memcpy_2d_async(dst[0, cpu_block], src[row], layer_pitch, self.block_bytes,
-                            self.block_bytes, self.num_layers, "d2h",
+                            self.block_bytes, self.num_layers, "d2h" if self.cuda else "h2h",
                             self.offload_stream if self.cuda else None)
         self.decode_offload_done.record(self.offload_stream)
         self.bytes_d2h += 2 * self.num_layers * self.block_bytes

@@ -59,7 +59,8 @@ def _store_kv_kernel(
     offset = tl.maximum(slot, 0) % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (slot >= 0)
+    slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot  # a tensor mask, not a scalar
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (slots >= 0)
     k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d

@@ -1,0 +1,461 @@
+#!/usr/bin/env python
+"""Needle in a haystack: find a number hidden at a chosen depth of a long prompt.
+
+Both a pytest module and a command-line tool; they share :func:`run_needle`.
+
+The prompt is :func:`nanovllm.utils.passkey.build_passkey_prompt`: the classic filler ("The
+grass is green. ..."), the needle "The pass key is N. Remember it. N is the pass key." at the
+requested depth, then "What is the pass key? Reply with the number only.", all one user message
+chat-templated with the model's tokenizer, exactly ``input_len`` tokens long. The run passes when
+the greedy answer contains the number.
+
+Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
+:func:`nanovllm.fetch.fetch_model`)::
+
+    python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
+        --num-gpu-blocks 2 --block-size 1024 --sparse-policy FULL --max-new-tokens 16
+    python tests/test_needle.py --model DIR --device cuda --dtype bfloat16 --enable-offload ...
+
+It prints a summary (input tokens, needle depth, offload settings, answer, pass/fail, prefill
+and decode seconds), optionally writes it as JSON (``--json-output PATH``), and exits 0 on pass,
+1 when the answer lacks the needle, 2 on bad arguments.
+
+pytest: one offloaded engine (``enable_cpu_offload=True``, 1024-token blocks, 2 ring slots,
+float32, CPU) on SmolLM2 for the module, and needles at depths 0.1, 0.5 and 0.9 of ~4K-token
+prompts (marked ``slow``; each CPU prefill of 4K tokens takes tens of seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import pytest
+
+from nanovllm.utils.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
+
+DEFAULT_NEEDLE = 58213
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+
+
+# ---- settings and validation -----------------------------------------------------------
+@dataclass
+class NeedleSettings:
+    """One needle run: the prompt, the answer budget and the engine's offload/runtime options.
+
+    ``num_cpu_blocks=None`` gives the host cache exactly the blocks one sequence of
+    ``input_len + max_new_tokens`` tokens needs (the engine's own sizing, -1, would take a share
+    of all free host memory, and on CPU it also sizes the "GPU" decode buffers from host memory).
+    """
+
+    input_len: int = 4096
+    needle_position: float = 0.5
+    needle_value: int = DEFAULT_NEEDLE
+    max_new_tokens: int = 16
+    enable_offload: bool = False
+    num_gpu_blocks: int = 2
+    block_size: int = 1024
+    sparse_policy: str = "FULL"
+    num_cpu_blocks: int | None = None
+    device: str = "auto"
+    dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
+    enforce_eager: bool = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_len + self.max_new_tokens
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option, the value and the limit (the cheap checks; the
+        prompt-length check needs the tokenizer and happens in :func:`build_needle_prompt`)."""
+        if isinstance(self.input_len, bool) or not isinstance(self.input_len, int) or self.input_len < 1:
+            raise ValueError(f"input-len must be a positive integer, got {self.input_len!r}")
+        if not (isinstance(self.needle_position, (int, float)) and math.isfinite(self.needle_position)
+                and 0.0 <= self.needle_position <= 1.0):
+            raise ValueError(f"needle-position must be in [0, 1] (0 = start of the haystack, "
+                             f"1 = right before the question), got {self.needle_position!r}")
+        if isinstance(self.needle_value, bool) or not isinstance(self.needle_value, int) or self.needle_value < 0:
+            raise ValueError(f"needle-value must be a non-negative integer, got {self.needle_value!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in (None, *DTYPE_CHOICES[1:]):
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if not self.enable_offload:
+            return
+        if self.num_gpu_blocks < 2:
+            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
+        if self.block_size <= 0 or self.block_size % 256:
+            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        from nanovllm.kvcache.sparse import SparsePolicyType
+
+        try:
+            SparsePolicyType.parse(self.sparse_policy)
+        except ValueError:
+            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
+                             f"got {self.sparse_policy!r}") from None
+        need = -(-self.max_model_len // self.block_size)
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
+            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
+                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
+                             f"{self.block_size} are needed")
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of :class:`nanovllm.LLM` for this run (one sequence at a time)."""
+        kw = dict(max_model_len=self.max_model_len, max_num_seqs=1, device=self.device,
+                  dtype=self.dtype, enforce_eager=self.enforce_eager)
+        if self.enable_offload:
+            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
+                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
+                      num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
+                                              else -(-self.max_model_len // self.block_size)))
+        return kw
+
+
+def make_llm(model_dir: str, settings: NeedleSettings):
+    """An :class:`nanovllm.LLM` able to run ``settings`` (validated first)."""
+    from nanovllm import LLM
+
+    settings.validate()
+    return LLM(model_dir, **settings.engine_kwargs())
+
+
+# ---- prompt ------------------------------------------------------------------------------
+def _find(haystack: list[int], needle: list[int]) -> int:
+    n = len(needle)
+    return next((i for i in range(len(haystack) - n + 1) if haystack[i:i + n] == needle), -1)
+
+
+def build_needle_prompt(tokenizer, settings: NeedleSettings) -> tuple[list[int], int]:
+    """The prompt ids (exactly ``input_len``) and the token index where the needle starts.
+
+    Raises:
+        ValueError: ``input_len`` is too small for the chat template, needle and question.
+    """
+    try:
+        ids = build_passkey_prompt(tokenizer, settings.input_len, settings.needle_position,
+                                   settings.needle_value)
+    except ValueError as err:
+        raise ValueError(f"input-len={settings.input_len} is too small for needle-position="
+                         f"{settings.needle_position}: {err}") from None
+    text = NEEDLE_TEMPLATE.format(key=settings.needle_value)
+    start = -1
+    for variant in (" " + text, text):  # with a leading space unless it opens the haystack
+        start = _find(ids, list(tokenizer.encode(variant, add_special_tokens=False)))
+        if start >= 0:
+            break
+    return ids, start
+
+
+# ---- the run -----------------------------------------------------------------------------
+@dataclass
+class NeedleResult:
+    passed: bool
+    answer: str
+    answer_token_ids: list[int]
+    finish_reason: str
+    needle_value: int
+    input_tokens: int
+    needle_position: float  # requested depth
+    needle_token_index: int  # where the needle's first token is in the prompt (-1: not found)
+    prefill_seconds: float  # prefill steps, first token included
+    decode_seconds: float  # the remaining tokens
+    generated_tokens: int
+    settings: dict = field(default_factory=dict)
+    offload: dict | None = None  # the engine's offload settings (None: GPU-only)
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    bytes_h2d: int | None = None  # offload traffic of this run (None without offload)
+    bytes_d2h: int | None = None
+
+    @property
+    def needle_depth(self) -> float:
+        """Where the needle actually starts, as a fraction of the prompt's tokens."""
+        return self.needle_token_index / self.input_tokens if self.needle_token_index >= 0 else float("nan")
+
+    def summary(self) -> str:
+        decode_tps = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        lines = [
+            f"model:          {self.model} ({self.device}, {self.dtype})",
+            f"input tokens:   {self.input_tokens}",
+            f"needle:         {self.needle_value} at depth {self.needle_position:g} requested, "
+            f"token {self.needle_token_index} ({self.needle_depth:.3f} of the prompt)",
+            f"offload:        {self._offload_text()}",
+        ]
+        if self.bytes_h2d is not None:
+            lines.append(f"offload bytes:  H2D {self.bytes_h2d / 2**20:.1f} MiB, "
+                         f"D2H {self.bytes_d2h / 2**20:.1f} MiB")
+        lines += [
+            f"answer:         {self.answer!r} ({self.generated_tokens} tokens, {self.finish_reason})",
+            f"result:         {'PASS' if self.passed else 'FAIL'}",
+            f"prefill:        {self.prefill_seconds:.2f} s ({self.input_tokens / max(self.prefill_seconds, 1e-9):.0f} tok/s)",
+            f"decode:         {self.decode_seconds:.2f} s ({decode_tps:.1f} tok/s)",
+        ]
+        return "\n".join(lines)
+
+    def _offload_text(self) -> str:
+        if self.offload is None:
+            return "off (GPU-only paged KV cache)"
+        o = self.offload
+        return (f"on: {o['block_size']}-token blocks, {o['num_gpu_blocks']} ring slots, "
+                f"{o['num_cpu_blocks']} CPU blocks, policy {o['sparse_policy']}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["needle_depth"] = None if self.needle_token_index < 0 else self.needle_depth
+        return d
+
+
+def _generate_timed(llm, ids: list[int], sampling_params) -> tuple[dict, float, float]:
+    """Greedy generation of one prompt step by step, timing prefill (up to and including the
+    step that samples the first token) and decode separately."""
+    seq_id = llm.add_request(ids, sampling_params)
+    prefill_s = decode_s = 0.0
+    out = None
+    try:
+        while out is None:
+            t0 = time.perf_counter()
+            finished, num_tokens = llm.step()
+            dt = time.perf_counter() - t0
+            if num_tokens > 0:
+                prefill_s += dt
+            else:
+                decode_s += dt
+            for seq in finished:
+                if seq.seq_id == seq_id:
+                    out = {"text": llm.tokenizer.decode(seq.completion_token_ids),
+                           "token_ids": list(seq.completion_token_ids),
+                           "finish_reason": seq.finish_reason}
+    except BaseException:
+        llm.scheduler.abort({seq_id})  # leave the engine usable for the next run
+        raise
+    return out, prefill_s, decode_s
+
+
+def engine_offload(llm) -> dict | None:
+    """The offload settings the engine actually runs with (None: GPU-only paged KV cache)."""
+    cfg = llm.config
+    if not cfg.enable_cpu_offload:
+        return None
+    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
+                num_cpu_blocks=llm.model_runner.num_kv_blocks,
+                sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
+
+
+def _offload_bytes(llm) -> tuple[int, int] | None:
+    engine = getattr(getattr(llm, "model_runner", None), "offload_engine", None)
+    return None if engine is None else (engine.bytes_h2d, engine.bytes_d2h)
+
+
+def run_needle(llm, settings: NeedleSettings) -> NeedleResult:
+    """Build the haystack for ``settings``, generate greedily with ``llm`` and check the answer.
+
+    The prompt fields of ``settings`` (input_len, needle_*, max_new_tokens) drive the run; its
+    engine fields only matter to :func:`make_llm`, and the result reports the engine's own.
+
+    Raises:
+        ValueError: bad settings, or ``input_len + max_new_tokens`` beyond the engine's
+            ``max_model_len`` (which the engine clamps to the model's position limit).
+    """
+    from nanovllm import SamplingParams
+
+    settings.validate()
+    cfg = llm.config
+    if settings.max_model_len > cfg.max_model_len:
+        raise ValueError(f"input-len + max-new-tokens = {settings.max_model_len} exceeds the "
+                         f"engine's max_model_len={cfg.max_model_len} (the model's "
+                         f"max_position_embeddings is {cfg.hf_config.max_position_embeddings})")
+    ids, needle_at = build_needle_prompt(llm.tokenizer, settings)
+    before = _offload_bytes(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens)
+    out, prefill_s, decode_s = _generate_timed(llm, ids, sp)
+    after = _offload_bytes(llm)
+    return NeedleResult(
+        passed=str(settings.needle_value) in out["text"],
+        answer=out["text"], answer_token_ids=out["token_ids"], finish_reason=out["finish_reason"],
+        needle_value=settings.needle_value, input_tokens=len(ids),
+        needle_position=settings.needle_position, needle_token_index=needle_at,
+        prefill_seconds=prefill_s, decode_seconds=decode_s, generated_tokens=len(out["token_ids"]),
+        settings=asdict(settings), offload=engine_offload(llm), model=str(cfg.model),
+        device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."),
+        bytes_h2d=None if after is None else after[0] - before[0],
+        bytes_d2h=None if after is None else after[1] - before[1],
+    )
+
+
+# ---- command line ------------------------------------------------------------------------
+def _parse_needle_value(text: str) -> int | str:
+    if text.lower() == "random":
+        return "random"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer or 'random', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer or 'random', got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python tests/test_needle.py",
+        description="Needle-in-a-haystack check of nanovllm: hide a number at a depth of a "
+                    "prompt of exactly --input-len tokens and ask for it back.")
+    p.add_argument("--model", default=None,
+                   help="HF model directory (default: SmolLM2-135M-Instruct via nanovllm.fetch)")
+    p.add_argument("--input-len", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    p.add_argument("--needle-position", type=float, default=0.5,
+                   help="needle depth in [0, 1]: 0 = start of the haystack, 1 = right before the "
+                        "question (default 0.5)")
+    p.add_argument("--needle-value", type=_parse_needle_value, default=DEFAULT_NEEDLE,
+                   help=f"the number to hide (default {DEFAULT_NEEDLE}); 'random' draws a 5-digit "
+                        "number from --seed")
+    p.add_argument("--seed", type=int, default=0, help="seed of --needle-value random (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer budget (default 16)")
+    p.add_argument("--enable-offload", action="store_true",
+                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
+    p.add_argument("--num-cpu-blocks", type=int, default=None,
+                   help="offload host KV blocks (default: what one sequence needs)")
+    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy (default FULL)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: the model's dtype on GPU, float32 on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json-output", default=None, metavar="PATH", help="also write the result as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    value = args.needle_value
+    if value == "random":
+        value = random.Random(args.seed).randrange(10000, 100000)
+    settings = NeedleSettings(
+        input_len=args.input_len, needle_position=args.needle_position, needle_value=value,
+        max_new_tokens=args.max_new_tokens, enable_offload=args.enable_offload,
+        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+        sparse_policy=args.sparse_policy, num_cpu_blocks=args.num_cpu_blocks, device=args.device,
+        dtype=None if args.dtype == "auto" else args.dtype, enforce_eager=args.enforce_eager)
+    try:
+        settings.validate()
+    except ValueError as err:
+        parser.error(str(err))
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model is None:
+        from nanovllm.fetch import fetch_model
+
+        model_dir = fetch_model()
+    else:
+        model_dir = args.model
+        from pathlib import Path
+
+        if not (Path(model_dir) / "config.json").is_file():
+            parser.error(f"--model {model_dir}: not a model directory (no config.json)")
+    # The checks that need the model, before paying for the engine.
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    if settings.max_model_len > limit:
+        parser.error(f"--input-len + --max-new-tokens = {settings.max_model_len} exceeds the "
+                     f"model's max_position_embeddings={limit}")
+    try:
+        build_needle_prompt(AutoTokenizer.from_pretrained(model_dir), settings)
+    except ValueError as err:
+        parser.error(str(err))
+
+    t0 = time.perf_counter()
+    try:
+        llm = make_llm(model_dir, settings)
+    except ValueError as err:
+        parser.error(str(err))
+    load_s = time.perf_counter() - t0
+    try:
+        result = run_needle(llm, settings)
+    finally:
+        llm.shutdown()
+    print(result.summary())
+    print(f"engine load:    {load_s:.2f} s")
+    if args.json_output:
+        with open(args.json_output, "w") as f:
+            json.dump({**result.to_json(), "engine_load_seconds": load_s}, f, indent=2)
+            f.write("\n")
+    return 0 if result.passed else 1
+
+
+# ---- pytest ------------------------------------------------------------------------------
+# The 4K cases straddle the 1024-token block: an exact multiple (the decode buffer starts at a
+# block boundary) and two prompts whose last prefill block is partial.
+TEST_SETTINGS = dict(enable_offload=True, block_size=1024, num_gpu_blocks=2, sparse_policy="FULL",
+                     max_new_tokens=16, device="cpu", dtype="float32", enforce_eager=True)
+TEST_MAX_INPUT_LEN = 4096
+TEST_CASES = [(0.1, 4096), (0.5, 4000), (0.9, 4050)]
+
+
+@pytest.fixture(scope="module")
+def needle_llm():
+    from nanovllm.fetch import fetch_model
+
+    llm = make_llm(fetch_model(), NeedleSettings(input_len=TEST_MAX_INPUT_LEN, **TEST_SETTINGS))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position,input_len", TEST_CASES,
+                         ids=[f"depth{p}-{n}tok" for p, n in TEST_CASES])
+def test_needle_offload_4k(needle_llm, position, input_len):
+    settings = NeedleSettings(input_len=input_len, needle_position=position, **TEST_SETTINGS)
+    result = run_needle(needle_llm, settings)
+    print("\n" + result.summary())
+    assert result.input_tokens == input_len
+    assert result.needle_token_index >= 0
+    assert abs(result.needle_depth - position) < 0.1, result.summary()
+    assert result.offload is not None and result.offload["num_gpu_blocks"] == 2, result.offload
+    assert result.bytes_h2d > 0, "offload mode streamed no KV through the ring buffer"
+    assert result.passed, f"needle {settings.needle_value} not in the answer\n{result.summary()}"
+
+
+def test_needle_argument_errors(capsys):
+    """Bad arguments stop before any model is loaded, with a message naming the option."""
+    cases = [
+        (["--needle-position", "1.5"], "needle-position must be in [0, 1]"),
+        (["--needle-position", "-0.1"], "needle-position must be in [0, 1]"),
+        (["--needle-position", "nan"], "needle-position must be in [0, 1]"),
+        (["--input-len", "0"], "input-len must be a positive integer"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--needle-value", "-3"], "must be a non-negative integer or 'random'"),
+        (["--enable-offload", "--num-gpu-blocks", "1"], "num-gpu-blocks must be >= 2"),
+        (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
+        (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
+        (["--enable-offload", "--input-len", "4096", "--num-cpu-blocks", "2"], "num-cpu-blocks=2 cannot hold"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_needle_input_len_too_small(capsys):
+    from nanovllm.fetch import fetch_model
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", fetch_model(), "--input-len", "20"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "input-len=20 is too small" in err and "need" in err, err
+
+
+if __name__ == "__main__":
+    sys.exit(main())
