@@ -246,10 +246,14 @@ def test_errors_name_the_value_and_the_limit():
 # ---------------------------------------------------------------- CPU dispatch = references
 @eager_only
 def test_cpu_dispatch_uses_the_references():
-    q = torch.randn(9, 4, 16).bfloat16()
-    kv = torch.randn(9, 2, 16).bfloat16()
-    assert torch.equal(prefill_attention(q, kv, kv, [4, 5], [4, 5], 0.25),
-                       prefill_attention_ref(q, kv, kv, [4, 5], [4, 5], 0.25))
+    """CPU prefill runs torch's fused CPU attention (with the LSE) per sequence: equal to the
+    plain-math reference within float32 rounding, GQA and a causal prefix split included."""
+    q, kv = torch.randn(9, 4, 16), torch.randn(9, 2, 16)
+    torch.testing.assert_close(prefill_attention(q, kv, kv, [4, 5], [4, 5], 0.25),
+                               prefill_attention_ref(q, kv, kv, [4, 5], [4, 5], 0.25), atol=1e-5, rtol=1e-5)
+    qb, kb = torch.randn(1, 5, 4, 16), torch.randn(1, 9, 2, 16)
+    for got, want in zip(flash_attn_with_lse(qb, kb, kb, 0.25, True), flash_attn_with_lse_ref(qb, kb, kb, 0.25, True)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     o1, lse1, o2, lse2 = neg_inf_merge_inputs(torch.bfloat16)
     for a, b in zip(merge_attention_outputs(o1, lse1, o2, lse2), merge_attention_outputs_ref(o1, lse1, o2, lse2)):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -115,6 +115,15 @@ def _sdpa_with_lse(q, k, v, scale, causal):
     return flash_attn_with_lse_ref(q, k, v, scale, causal)
 
 
+def _cpu_sdpa_with_lse(q, k, v, scale, causal):
+    """torch's fused CPU flash attention (it returns the LSE); k/v heads are expanded for GQA,
+    acceptable off the GPU hot path."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kt, vt = _repeat_kv(qt, kt, vt)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)[:2]
+    return out.transpose(1, 2), lse.float()
+
+
 def flash_attn_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,23 +147,24 @@ def flash_attn_with_lse(
     than FlashAttention-2, so the optional flash_attn package is not used), then torch's flash /
     memory-efficient kernels (a kernel that raises is logged and skipped from then on), else the
     reference. Causal with Sq < Sk is split into a non-causal prefix and a causal square, merged
-    by LSE, because torch's kernels align the causal mask top-left. CPU:
-    :func:`flash_attn_with_lse_ref`.
+    by LSE, because torch's kernels align the causal mask top-left. CPU: torch's fused CPU flash
+    attention the same way. One query row, or float64: :func:`flash_attn_with_lse_ref`.
     """
     _check_qkv(q, k, v)
     seq_q, seq_k = q.shape[1], k.shape[1]
-    if not q.is_cuda or (causal and seq_q > seq_k) or seq_q == 1:
+    if (causal and seq_q > seq_k) or seq_q == 1 or q.dtype == torch.float64:
         # One query row (decode): a few small kernels, and no per-shape cuDNN plan to build
         # for every new key length.
         return flash_attn_with_lse_ref(q, k, v, softmax_scale, causal)
     if seq_q == 0 or seq_k == 0:
         return _empty_rows_result(q)
+    sdpa = _sdpa_with_lse if q.is_cuda else _cpu_sdpa_with_lse
     if causal and seq_q < seq_k:
         prefix = seq_k - seq_q
-        o1, lse1 = _sdpa_with_lse(q, k[:, :prefix], v[:, :prefix], softmax_scale, False)
-        o2, lse2 = _sdpa_with_lse(q, k[:, prefix:], v[:, prefix:], softmax_scale, True)
+        o1, lse1 = sdpa(q, k[:, :prefix], v[:, :prefix], softmax_scale, False)
+        o2, lse2 = sdpa(q, k[:, prefix:], v[:, prefix:], softmax_scale, True)
         return merge_attention_outputs(o1, lse1, o2, lse2)
-    return _sdpa_with_lse(q, k, v, softmax_scale, causal)
+    return sdpa(q, k, v, softmax_scale, causal)
 
 
 def _check_merge(o1, lse1, o2, lse2) -> None:

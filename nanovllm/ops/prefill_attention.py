@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from ._triton import cdiv, check_gqa, check_head_dim, use_triton
+from ._triton import cdiv, check_gqa, check_head_dim
 from .chunked_attention import flash_attn_with_lse, flash_attn_with_lse_ref, merge_attention_outputs
 from .store_kv import gather_kvcache
 
@@ -197,12 +197,11 @@ def prefill_attention(
     sequence: the new rows attend causally to themselves and non-causally to the prefix gathered
     from the cache, each through :func:`flash_attn_with_lse` (cuDNN), merged by LSE with
     :func:`merge_attention_outputs`. Host lists mean no device sync on either path.
-    CPU: :func:`prefill_attention_ref`.
+    CPU: the per-sequence path over torch's fused CPU attention (:func:`prefill_attention_ref`
+    is the plain-math reference).
     """
     _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables)
     args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables)
-    if not use_triton(q):
-        return prefill_attention_ref(*args)
     if _use_varlen(q, seqlens_q):
         try:
             return _prefill_varlen(*args)
