@@ -1,9 +1,12 @@
 """Engine configuration, validated at construction."""
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_SIZE_MULTIPLE = 256
@@ -115,7 +118,11 @@ class Config:
         self.device = _resolve_device(self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.dtype = _resolve_dtype(self.dtype, self.hf_config, self.device)
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if self.max_model_len > self.hf_config.max_position_embeddings:
+            logger.warning("max_model_len=%d is above the model's max_position_embeddings=%d; using %d",
+                           self.max_model_len, self.hf_config.max_position_embeddings,
+                           self.hf_config.max_position_embeddings)
+            self.max_model_len = self.hf_config.max_position_embeddings
         self._check_tensor_parallel()
 
     def _check_offload(self):

@@ -156,7 +156,7 @@ class LLMEngine:
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
             for seq in finished:
                 results[seq.seq_id] = {
-                    "text": self.tokenizer.decode(seq.completion_token_ids),
+                    "text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
                     "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
                 bar.update(1)
         bar.close()
