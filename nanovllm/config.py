@@ -72,7 +72,11 @@ class Config:
         num_cpu_kvcache_blocks: host KV blocks in offload mode; -1 sizes them from
             ``cpu_memory_utilization`` of the available host memory.
         cpu_memory_utilization: share of available host memory offload mode may pin, in (0, 1].
-        sparse_policy: "FULL" (every block) in offload mode; see ``nanovllm.kvcache.sparse``.
+        sparse_policy: which offloaded blocks attention reads: "FULL" (every block) or "QUEST"
+            (decode: top-k blocks by key min/max bounds); see ``nanovllm.kvcache.sparse``.
+        sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
+            first and the last block, which are always loaded.
+        sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
 
     Raises:
         ValueError: a bad field, naming the field, the value and the limit.
@@ -95,6 +99,8 @@ class Config:
     num_cpu_kvcache_blocks: int = -1
     cpu_memory_utilization: float = 0.5
     sparse_policy: str = "FULL"
+    sparse_topk_blocks: int = 8
+    sparse_threshold_blocks: int = 4
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -133,6 +139,8 @@ class Config:
             _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
         _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False)
         self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
+        _check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
+        _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)
 
     def _check_tensor_parallel(self):
         cfg = self.hf_config

@@ -61,6 +61,8 @@ class NeedleSettings:
     num_gpu_blocks: int = 2
     block_size: int = 1024
     sparse_policy: str = "FULL"
+    sparse_topk_blocks: int = 8
+    sparse_threshold_blocks: int = 4
     num_cpu_blocks: int | None = None
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
@@ -113,6 +115,8 @@ class NeedleSettings:
         if self.enable_offload:
             kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
                       num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
+                      sparse_topk_blocks=self.sparse_topk_blocks,
+                      sparse_threshold_blocks=self.sparse_threshold_blocks,
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
                                               else -(-self.max_model_len // self.block_size)))
         return kw
@@ -326,7 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
     p.add_argument("--num-cpu-blocks", type=int, default=None,
                    help="offload host KV blocks (default: what one sequence needs)")
-    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy (default FULL)")
+    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
+    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
+    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
+                   help="QUEST: select only above this many blocks (default 4)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: the model's dtype on GPU, float32 on CPU")
@@ -345,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         input_len=args.input_len, needle_position=args.needle_position, needle_value=value,
         max_new_tokens=args.max_new_tokens, enable_offload=args.enable_offload,
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-        sparse_policy=args.sparse_policy, num_cpu_blocks=args.num_cpu_blocks, device=args.device,
+        sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
+        sparse_threshold_blocks=args.sparse_threshold_blocks, num_cpu_blocks=args.num_cpu_blocks, device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype, enforce_eager=args.enforce_eager)
     try:
         settings.validate()

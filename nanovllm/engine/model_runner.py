@@ -151,7 +151,7 @@ class ModelRunner:
         self.offload_engine = OffloadEngine(
             len(layers), layer.num_kv_heads, layer.head_dim, cfg.dtype, self.device,
             self.block_size, num_cpu_blocks, cfg.num_gpu_blocks, self.num_decode_rows)
-        self.policy = create_policy(cfg.sparse_policy, layer.scale)
+        self.policy = create_policy(cfg, layer.scale)
         self.policy.initialize(self.offload_engine)
         for i, module in enumerate(layers):
             module.layer_id, module.offload_engine, module.policy = i, self.offload_engine, self.policy

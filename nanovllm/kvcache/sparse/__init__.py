@@ -1,15 +1,23 @@
 """Sparse-attention policies for offload mode (see policy.py for the interface)."""
 from nanovllm.kvcache.sparse.full_policy import FullAttentionPolicy
 from nanovllm.kvcache.sparse.policy import PolicyContext, SparsePolicy, SparsePolicyType
+from nanovllm.kvcache.sparse.quest_policy import QuestPolicy
 
 
-def create_policy(policy_type: SparsePolicyType, scale: float, **kwargs) -> SparsePolicy:
-    """The policy for ``policy_type``. Raises ValueError for a type not built yet."""
-    policies = {SparsePolicyType.FULL: FullAttentionPolicy}
-    if policy_type not in policies:
-        raise ValueError(f"sparse policy {policy_type.value} is not available; "
-                         f"available: {[t.value for t in policies]}")
-    return policies[policy_type](scale, **kwargs)
+def create_policy(config, scale: float) -> SparsePolicy:
+    """The policy named by ``config.sparse_policy``, with its parameters from the config.
+
+    Raises:
+        ValueError: a policy type that is not built yet, or bad policy parameters.
+    """
+    policy_type = config.sparse_policy
+    if policy_type is SparsePolicyType.FULL:
+        return FullAttentionPolicy(scale)
+    if policy_type is SparsePolicyType.QUEST:
+        return QuestPolicy(scale, config.sparse_topk_blocks, config.sparse_threshold_blocks)
+    raise ValueError(f"sparse policy {policy_type.value} is not available yet; available: "
+                     f"{[SparsePolicyType.FULL.value, SparsePolicyType.QUEST.value]}")
 
 
-__all__ = ["FullAttentionPolicy", "PolicyContext", "SparsePolicy", "SparsePolicyType", "create_policy"]
+__all__ = ["FullAttentionPolicy", "PolicyContext", "QuestPolicy", "SparsePolicy", "SparsePolicyType",
+           "create_policy"]
