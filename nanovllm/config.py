@@ -1,10 +1,14 @@
 """Engine configuration, validated at construction."""
 import logging
+import math
 import os
+from numbers import Real
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.sampling_params import SEED_MAX, SEED_MIN, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,12 @@ def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dty
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
 
 
-def _check_range(name: str, value, low, high=None, low_inclusive=True):
+def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=True):
+    """ValueError naming ``name``, ``value`` and the limit unless low <= value (<= high)."""
+    if integer and not is_integer(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not integer and (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     ok_low = value >= low if low_inclusive else value > low
     if not ok_low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else (f">= {low}" if low_inclusive else f"> {low}")
@@ -113,13 +122,16 @@ class Config:
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_range("max_num_seqs", self.max_num_seqs, 1)
         _check_range("max_model_len", self.max_model_len, 1)
-        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False)
+        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False,
+                     integer=False)
         _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.kvcache_block_size <= 0 or self.kvcache_block_size % BLOCK_SIZE_MULTIPLE:
+        block = self.kvcache_block_size
+        if not is_integer(block) or block <= 0 or block % BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size must be a positive multiple of "
-                             f"{BLOCK_SIZE_MULTIPLE}, got {self.kvcache_block_size}")
+                             f"{BLOCK_SIZE_MULTIPLE}, got {block!r}")
         if self.num_kvcache_blocks != -1:
             _check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        _check_range("seed", self.seed, SEED_MIN, SEED_MAX)
         self._check_offload()
         self.device = _resolve_device(self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model)
@@ -137,7 +149,8 @@ class Config:
         _check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
         if self.num_cpu_kvcache_blocks != -1:
             _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
-        _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False)
+        _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
+                     integer=False)
         self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
         _check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
         _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)

@@ -15,7 +15,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import free_port, new_shm_name
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,12 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif hasattr(prompt, "tolist"):  # numpy array or tensor
+            ids = prompt.tolist()
+        else:
+            ids = list(prompt)
         self._validate(ids)
         return ids
 
@@ -75,6 +80,9 @@ class LLMEngine:
             raise ValueError("prompt is empty (0 tokens); at least 1 token is required")
         if len(ids) > cfg.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={cfg.max_model_len}")
+        not_int = [t for t in ids if not is_integer(t)]
+        if not_int:
+            raise ValueError(f"token id {not_int[0]!r} is not an integer")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -89,19 +97,30 @@ class LLMEngine:
             ValueError: empty prompt, prompt longer than ``max_model_len``, token id outside the
                 vocabulary. RuntimeError: the prompt cannot fit in the KV cache.
         """
+        self._check_open()
+        _check_params(0, sampling_params)
         return self._add(self._token_ids(prompt), sampling_params)
 
+    def _check_open(self):
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine has been shut down; create a new LLM")
+
     def _add(self, ids: list[int], sampling_params: SamplingParams) -> int:
-        seq = Sequence(ids, sampling_params, self.config.kvcache_block_size)
+        gen = None
         if sampling_params.seed is not None:
-            gen = torch.Generator(self.model_runner.device)
-            self._generators[seq.seq_id] = gen.manual_seed(sampling_params.seed)
+            gen = torch.Generator(self.model_runner.device).manual_seed(sampling_params.seed)
+        seq = Sequence(ids, sampling_params, self.config.kvcache_block_size)
+        if gen is not None:
+            self._generators[seq.seq_id] = gen
         self.scheduler.add(seq)
         return seq.seq_id
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled step. Returns the sequences finished in it and the number of
         tokens processed (positive for a prefill step, negative for decode, as nano-vLLM)."""
+        self._check_open()
+        if self.scheduler.is_finished():
+            return [], 0
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
@@ -125,7 +144,8 @@ class LLMEngine:
         validated before any is queued, so a bad prompt raises (ValueError / RuntimeError naming
         the value and the limit) and leaves the engine serving what it already had.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        self._check_open()
+        if isinstance(prompts, str) or (prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -133,9 +153,13 @@ class LLMEngine:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for i, sp in enumerate(sampling_params):
+            _check_params(i, sp)
         token_ids = [self._token_ids(p) for p in prompts]
-        seq_ids = [self._add(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
+        seq_ids = []
         try:
+            for ids, sp in zip(token_ids, sampling_params):
+                seq_ids.append(self._add(ids, sp))
             results = self._run_until_done(set(seq_ids), use_tqdm)
         except BaseException:
             for seq_id in seq_ids:
@@ -167,6 +191,11 @@ class LLMEngine:
         collected and at interpreter exit); the engine cannot be used after."""
         self._finalizer()
         self.__dict__.pop("model_runner", None)
+
+
+def _check_params(index: int, params) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
 
 
 def _shutdown(model_runner: ModelRunner, workers: list):

@@ -182,9 +182,14 @@ class ModelRunner:
         hf = self.config.hf_config
         attn_layers = self._attention_layers()
         layer = attn_layers[0]
-        self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim,
-                                    dtype=self.config.dtype, device=self.device)
+        try:
+            self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size,
+                                        layer.num_kv_heads, layer.head_dim,
+                                        dtype=self.config.dtype, device=self.device)
+        except RuntimeError as err:
+            raise RuntimeError(f"cannot allocate the KV cache: num_kvcache_blocks={num_blocks} x "
+                               f"{self.kv_block_bytes()} bytes = {num_blocks * self.kv_block_bytes() / 2**30:.1f} "
+                               f"GiB on {self.device}: {err}") from err
         for i, module in enumerate(attn_layers):
             module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.num_kv_blocks = num_blocks

@@ -20,6 +20,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        expected = (self.vocab_size, param.size(1))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expected [vocab_size, hidden_size] = {list(expected)}, got {list(loaded.shape)}")
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         param.data[:shard.size(0)].copy_(shard)
 

@@ -11,6 +11,12 @@ from torch import nn
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 
+def _check_size(loaded: torch.Tensor, dim: int, expected: int):
+    """A checkpoint tensor must have exactly the size the config implies (never sliced to fit)."""
+    if loaded.size(dim) != expected:
+        raise ValueError(f"expected size {expected} in dim {dim}, got shape {list(loaded.shape)}")
+
+
 def _divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor_parallel_size={denominator}")
@@ -35,6 +41,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         if self.tp_dim is not None and self.tp_dim < loaded.dim():
             size = param.size(self.tp_dim)
+            _check_size(loaded, self.tp_dim, size * self.tp_size)
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         param.data.copy_(loaded)
 
@@ -67,6 +74,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
+        _check_size(loaded, 0, self.output_sizes[shard_id])
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
 
@@ -85,6 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        _check_size(loaded, 0, size * self.tp_size)
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
 

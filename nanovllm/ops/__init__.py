@@ -1,5 +1,6 @@
 """Attention kernels and their torch references (see docs/ops.md for the contract)."""
 
+from .block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
 from .chunked_attention import (
     flash_attn_with_lse,
     flash_attn_with_lse_ref,
@@ -9,8 +10,12 @@ from .chunked_attention import (
 from .decode_attention import decode_attention, decode_attention_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
+from .xattn_estimate import block_density, xattn_block_scores, xattn_block_scores_ref, xattn_select_blocks
 
 __all__ = [
+    "block_density",
+    "block_sparse_attention",
+    "block_sparse_attention_ref",
     "decode_attention",
     "decode_attention_ref",
     "flash_attn_with_lse",
@@ -22,4 +27,7 @@ __all__ = [
     "prefill_attention_ref",
     "store_kvcache",
     "store_kvcache_ref",
+    "xattn_block_scores",
+    "xattn_block_scores_ref",
+    "xattn_select_blocks",
 ]

@@ -26,8 +26,9 @@ def load_model(model: nn.Module, path: str):
     checkpoint is skipped.
 
     Raises:
-        RuntimeError: no safetensors file, a checkpoint tensor with no matching parameter, or a
-            parameter that no checkpoint tensor filled (naming them).
+        RuntimeError: no safetensors file, an unreadable file, a checkpoint tensor with no
+            matching parameter or of the wrong shape, or a parameter that no checkpoint tensor
+            filled (naming them).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -36,17 +37,27 @@ def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
     unfilled = {name for name, p in model.named_parameters()}
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
+        try:
+            handle = safe_open(file, "pt", "cpu")
+        except Exception as err:  # safetensors raises its own error types
+            raise RuntimeError(f"cannot read weights file {file!r}: {err}") from err
+        with handle as f:
             for name in f.keys():
                 target, shard_id = _target(name, packed)
                 if target not in params:
                     if name == "lm_head.weight" or "rotary_emb.inv_freq" in name:
                         continue
                     raise RuntimeError(f"checkpoint tensor {name!r} has no parameter in the model")
-                param = params[target]
-                loader = getattr(param, "weight_loader", _default_weight_loader)
-                tensor = f.get_tensor(name)
-                loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+                _load_one(params[target], f.get_tensor(name), shard_id, name, target, file)
                 unfilled.discard(target)
     if unfilled:
         raise RuntimeError(f"parameters missing from the checkpoint: {sorted(unfilled)[:8]}")
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str, target: str, file: str):
+    loader = getattr(param, "weight_loader", _default_weight_loader)
+    try:
+        loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+    except (RuntimeError, ValueError) as err:
+        raise RuntimeError(f"checkpoint tensor {name!r} {list(tensor.shape)} in {os.path.basename(file)} "
+                           f"does not fit parameter {target!r} {list(param.shape)}: {err}") from err

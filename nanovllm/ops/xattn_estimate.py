@@ -1,0 +1,423 @@
+"""XAttention block-importance estimation and block selection for block-sparse prefill.
+
+Algorithm: XAttention (Xu, Guo, Han et al., "XAttention: Block Sparse Attention with Antidiagonal
+Scoring", 2025). The sum of the attention scores along antidiagonals of each ``stride x stride``
+tile is a cheap proxy for the tile's total; it is computed for every tile at once as one GEMM of
+stride-interleaved ("reshaped") Q and K, softmaxed at that reduced resolution and summed into
+``block_size x block_size`` blocks. Per query block the highest-scoring key blocks are kept until
+their cumulative share reaches a threshold. The selected mask drives
+:func:`nanovllm.ops.block_sparse_attention.block_sparse_attention`.
+
+Positions: queries are the last ``Sq`` of the ``Sk`` keys (bottom-right aligned, as in
+:func:`nanovllm.ops.flash_attn_with_lse`): local query row ``i`` sits at key position
+``Sk - Sq + i``. Query block ``b`` is rows ``b*block_size .. (b+1)*block_size - 1`` (local), key
+block ``c`` is key positions ``c*block_size ..``; the last block of each may be partial.
+"""
+
+import torch
+
+from ._triton import block_dim, cdiv, check_gqa, check_head_dim, tl, triton, use_triton
+
+_LOG2E = 1.4426950408889634
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"expected q [Sq, Hq, D] and k [Sk, Hkv, D] with one D; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    check_gqa(q.shape[1], k.shape[1])
+    check_head_dim(q.shape[2])
+    if not _is_pow2(stride) or stride > 64:
+        raise ValueError(f"stride={stride} must be a power of two in 1..64")
+    if not _is_pow2(block_size) or block_size < stride or block_size > 1024:
+        raise ValueError(
+            f"block_size={block_size} must be a power of two in stride={stride}..1024"
+        )
+
+
+def xattn_block_scores_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    stride: int = 8,
+    block_size: int = 128,
+    scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Plain-torch reference of :func:`xattn_block_scores` (same arguments and result).
+
+    Materialises the reshaped Q'/K' and one head's ``[Sq/stride, Sk/stride]`` score matrix at a
+    time, in float32 (float64 inputs compute in float64); the result is float32.
+    """
+    _check_estimate_args(q, k, stride, block_size)
+    seq_q, heads_q, dim = q.shape
+    seq_k, heads_kv = k.shape[0], k.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    group = heads_q // heads_kv
+    tile = block_size // stride
+    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
+    out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
+    if seq_q == 0 or seq_k == 0:
+        return out
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
+    q_pad = torch.zeros((n_qs * stride, heads_q, dim), dtype=dtype, device=q.device)
+    q_pad[:seq_q] = q
+    k_pad = torch.zeros((n_ks * stride, heads_kv, dim), dtype=dtype, device=q.device)
+    k_pad[:seq_k] = k
+    # Q'[h, r] = concat_i q[r*stride + stride-1-i, h]; K'[g, j] = concat_i k[j*stride + i, g].
+    q_str = q_pad.view(n_qs, stride, heads_q, dim).flip(1).permute(2, 0, 1, 3).reshape(heads_q, n_qs, stride * dim)
+    k_str = k_pad.view(n_ks, stride, heads_kv, dim).permute(2, 0, 1, 3).reshape(heads_kv, n_ks, stride * dim)
+    rows = torch.arange(n_qs, device=q.device)
+    cols = torch.arange(n_ks, device=q.device)
+    if causal:
+        visible = cols[None, :] * stride <= (seq_k - seq_q) + rows[:, None] * stride + stride - 1
+    else:
+        visible = torch.ones((n_qs, n_ks), dtype=torch.bool, device=q.device)
+    any_visible = visible.any(-1, keepdim=True)
+    for h in range(heads_q):
+        scores = (q_str[h] @ k_str[h // group].T) * (scale / stride)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.where(any_visible, torch.softmax(scores, dim=-1), 0.0)
+        padded = torch.zeros((n_q * tile, n_k * tile), dtype=dtype, device=q.device)
+        padded[:n_qs, :n_ks] = probs
+        out[h] = padded.view(n_q, tile, n_k, tile).sum(dim=(1, 3)).float()
+    return _normalise_rows(out)
+
+
+def _normalise_rows(scores: torch.Tensor) -> torch.Tensor:
+    total = scores.sum(-1, keepdim=True)
+    return torch.where(total > 0, scores / torch.where(total > 0, total, 1.0), 0.0)
+
+
+@triton.jit
+def _strided_scores(
+    q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+    STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Raw strided scores Q'[r] . K'[j] = sum_i q[r*S + S-1-i] . k[j*S + i] (rows past the end
+    read as zero), fp32 [BLOCK_M, BLOCK_N]; the reshape is done by the loads, never stored."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in range(STRIDE):
+        q_rows = r * STRIDE + (STRIDE - 1 - i)
+        k_rows = j * STRIDE + i
+        qt = tl.load(q_head + q_rows[:, None] * stride_qs + d[None, :],
+                     mask=(q_rows < seq_q)[:, None] & d_mask[None, :], other=0.0)
+        kt = tl.load(k_head + k_rows[:, None] * stride_ks + d[None, :],
+                     mask=(k_rows < seq_k)[:, None] & d_mask[None, :], other=0.0)
+        acc += tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _strided_visible(r, j, offset, n_ks, STRIDE: tl.constexpr, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask: strided key j exists and (causal) its first key is at or before the
+    last query position of strided row r."""
+    vis = (j < n_ks)[None, :] & (r >= 0)[:, None]
+    if CAUSAL:
+        vis = vis & (j[None, :] * STRIDE <= offset + r[:, None] * STRIDE + (STRIDE - 1))
+    return vis
+
+
+@triton.jit
+def _key_end(r0, n_qs, n_ks, offset, STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Exclusive bound of the strided keys any row r0 .. r0 + BLOCK_M - 1 can see."""
+    end = n_ks
+    if CAUSAL:
+        last_r = tl.minimum(r0 + BLOCK_M, n_qs) - 1
+        lim = tl.maximum(offset + last_r * STRIDE + STRIDE, 0)
+        end = tl.minimum(end, (lim + STRIDE - 1) // STRIDE)
+    return end
+
+
+@triton.jit
+def _xattn_stats_kernel(
+    q_ptr, k_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_mh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    """Pass 1: per strided query row, the running max (log2 units) and sum of exp2 over its
+    visible strided keys (FlashAttention-2's online softmax statistics)."""
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    h = tl.program_id(1)
+    r = r0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_head = q_ptr + h * stride_qh
+    k_head = k_ptr + (h // GROUP) * stride_kh
+    end = _key_end(r0, n_qs, n_ks, offset, STRIDE, BLOCK_M, CAUSAL)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
+        j0 = end * 0
+        while j0 < end:
+            j = j0 + tl.arange(0, BLOCK_N)
+            s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+                                STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
+            s = tl.where(_strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+            j0 += BLOCK_N
+    else:
+        for j0 in range(0, end, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+                                STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
+            s = tl.where(_strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+    r_mask = r < n_qs
+    tl.store(m_ptr + h * stride_mh + r, m_i, mask=r_mask)
+    tl.store(l_ptr + h * stride_mh + r, l_i, mask=r_mask)
+
+
+@triton.jit
+def _block_sum_tile(
+    q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks, n_k, q_blocks,
+    q_block_mask, offset, scale_log2, d, d_mask, stride_qs, stride_ks, stride_ok,
+    STRIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    j = j0 + tl.arange(0, BLOCK_N)
+    s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+                        STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
+    vis = _strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL) & row_ok[:, None]
+    p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0) * inv_l[:, None]
+    sums = tl.sum(tl.sum(tl.reshape(p, (BLOCK_M // TILE, TILE, BLOCK_N // TILE, TILE)), axis=3), axis=1)
+    k_blocks = j0 // TILE + tl.arange(0, BLOCK_N // TILE)
+    ptrs = out_head + q_blocks[:, None] * stride_ok + k_blocks[None, :]
+    tl.store(ptrs, sums, mask=q_block_mask[:, None] & (k_blocks < n_k)[None, :])
+
+
+@triton.jit
+def _xattn_block_sum_kernel(
+    q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale_log2,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_mh, stride_oh, stride_oq,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    """Pass 2: recompute the strided scores, normalise them with pass 1's statistics and sum the
+    probabilities of each (TILE x TILE) strided tile, i.e. each (block_size x block_size) block.
+    Blocks no program reaches (causally hidden) keep the zeros they were allocated with."""
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    h = tl.program_id(1)
+    r = r0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_head = q_ptr + h * stride_qh
+    k_head = k_ptr + (h // GROUP) * stride_kh
+    out_head = out_ptr + h * stride_oh
+    r_mask = r < n_qs
+    m_i = tl.load(m_ptr + h * stride_mh + r, mask=r_mask, other=float("-inf"))
+    l_i = tl.load(l_ptr + h * stride_mh + r, mask=r_mask, other=0.0)
+    row_ok = r_mask & (l_i > 0)
+    m_safe = tl.where(row_ok, m_i, 0.0)
+    inv_l = tl.where(row_ok, 1.0 / tl.where(row_ok, l_i, 1.0), 0.0)
+    q_blocks = r0 // TILE + tl.arange(0, BLOCK_M // TILE)
+    q_block_mask = q_blocks < n_q
+    end = _key_end(r0, n_qs, n_ks, offset, STRIDE, BLOCK_M, CAUSAL)
+    if WHILE_LOOP:
+        j0 = end * 0
+        while j0 < end:
+            _block_sum_tile(q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks,
+                            n_k, q_blocks, q_block_mask, offset, scale_log2, d, d_mask, stride_qs,
+                            stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
+            j0 += BLOCK_N
+    else:
+        for j0 in range(0, end, BLOCK_N):
+            _block_sum_tile(q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks,
+                            n_k, q_blocks, q_block_mask, offset, scale_log2, d, d_mask, stride_qs,
+                            stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
+
+
+def _estimate_triton(q, k, stride, block_size, scale, causal):
+    seq_q, heads_q, dim = q.shape
+    seq_k, heads_kv = k.shape[0], k.shape[1]
+    tile = block_size // stride
+    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
+    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
+    out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
+    if seq_q == 0 or seq_k == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    block_d = block_dim(dim)
+    # Tiles of strided rows/keys; both multiples of TILE so a program owns whole blocks.
+    block_m = max(128 if block_d <= 128 else 64, tile)
+    block_n = max(64, tile)
+    warps, stages = (8, 3) if block_d <= 128 else (8, 2)
+    m_buf = torch.empty((heads_q, n_qs), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    grid = (cdiv(n_qs, block_m), heads_q)
+    common = dict(
+        GROUP=heads_q // heads_kv, HEAD_DIM=dim, BLOCK_D=block_d, STRIDE=stride, BLOCK_M=block_m,
+        BLOCK_N=block_n, CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WHILE_LOOP=not q.is_cuda, num_warps=warps, num_stages=stages,
+    )
+    scale_log2 = scale / stride * _LOG2E
+    offset = seq_k - seq_q
+    _xattn_stats_kernel[grid](
+        q, k, m_buf, l_buf, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), **common,
+    )
+    _xattn_block_sum_kernel[grid](
+        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale_log2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
+        TILE=tile, **common,
+    )
+    return _normalise_rows(out)
+
+
+def xattn_block_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    stride: int = 8,
+    block_size: int = 128,
+    scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """XAttention antidiagonal block-importance scores.
+
+    With ``S = stride``, ``T = block_size // S``, zero rows appended to q and k up to multiples
+    of S, and for each q head ``h`` (kv head ``g = h // (Hq // Hkv)``):
+
+    1. reshape (inverse mode): ``Q'[r] = concat_{i<S} q[r*S + S-1-i, h]`` and
+       ``K'[j] = concat_{i<S} k[j*S + i, g]`` (length ``S*D``), for ``r < ceil(Sq/S)``,
+       ``j < ceil(Sk/S)``; so ``Q'[r].K'[j]`` is the sum of q.k along the antidiagonal of the
+       ``S x S`` tile (query rows ``r*S..``, keys ``j*S..``);
+    2. ``A[r, j] = Q'[r].K'[j] * scale / S``; causal: ``A[r, j] = -inf`` unless
+       ``j*S <= (Sk - Sq) + r*S + S - 1`` (the tile's first key is at or before its last query
+       position; bottom-right alignment);
+    3. ``P = softmax_j(A)`` per strided row (a row with no visible key is all 0);
+    4. ``B[qb, kb] = sum of P[r, j]`` over ``r // T == qb``, ``j // T == kb``;
+    5. each row ``B[qb, :]`` divided by its sum (rows summing to 0 stay 0).
+
+    Args:
+        q: ``[Sq, Hq, D]``; k: ``[Sk, Hkv, D]``; ``Hq % Hkv == 0``, ``1 <= D <= 256``;
+            float16/bfloat16/float32 (float64 goes to the reference); last dim contiguous or not.
+        stride: S, a power of two in 1..64 (paper default 8; 16 is cheaper and coarser).
+        block_size: a power of two in ``stride..1024``; tokens per query/key block.
+        scale: softmax scale of the real attention (default ``D ** -0.5``).
+        causal: bottom-right aligned causal mask (queries are the last Sq of the Sk keys).
+
+    Returns:
+        float32 ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]``, each row summing to 1 (0
+        where the query block sees no key); causally hidden blocks are exactly 0.
+
+    Raises:
+        ValueError: q/k not 3-D or differing in D, Hq not a multiple of Hkv, D outside 1..256,
+            stride or block_size not a power of two in range.
+
+    CUDA: two fused Triton passes over (128 strided rows x 64 strided keys) tiles, the reshape
+    done by strided loads (no copy): pass 1 row max/sum of exp2 (online softmax), pass 2 the
+    normalised probabilities summed into blocks; causally hidden key tiles are skipped. About
+    ``2 * Sq * Sk * D / S`` multiply-adds (causal: half), i.e. 1/S of QK^T, computed twice.
+    CPU: :func:`xattn_block_scores_ref` (or the kernels under the interpreter, see
+    ``nanovllm.ops._triton``).
+    """
+    _check_estimate_args(q, k, stride, block_size)
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    if q.dtype == torch.float64 or not use_triton(q):
+        return xattn_block_scores_ref(q, k, stride, block_size, scale, causal)
+    return _estimate_triton(q, k, stride, block_size, scale, causal)
+
+
+# ---------------------------------------------------------------- block selection
+def block_layout(
+    n_q: int, n_k: int, causal: bool, block_size: int = 128, seq_q: int | None = None,
+    seq_k: int | None = None, device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(visible, forced)``, bool ``[n_q, n_k]`` each, for blocks of ``block_size`` tokens.
+
+    ``visible[qb, kb]``: some query of block qb may see some key of block kb: always when not
+    causal, else ``kb * block_size <= Sk - Sq + last row of qb``. ``forced``: visible blocks kept
+    regardless of score: the sink block 0 and the diagonal blocks (the key blocks holding the
+    positions ``Sk - Sq + row`` of qb's own rows), so every query that sees a key keeps itself.
+    ``seq_q``/``seq_k`` default to ``n_q * block_size`` / ``n_k * block_size``; pass the real
+    lengths when they are not block multiples and ``Sk - Sq`` is not a block multiple.
+    """
+    seq_q = n_q * block_size if seq_q is None else seq_q
+    seq_k = n_k * block_size if seq_k is None else seq_k
+    if cdiv(seq_q, block_size) != n_q or cdiv(seq_k, block_size) != n_k:
+        raise ValueError(
+            f"seq_q={seq_q}, seq_k={seq_k} do not give n_q={n_q}, n_k={n_k} blocks of {block_size}"
+        )
+    qb = torch.arange(n_q, device=device)
+    kb_start = torch.arange(n_k, device=device) * block_size
+    first_pos = seq_k - seq_q + qb * block_size
+    last_pos = seq_k - seq_q + torch.clamp((qb + 1) * block_size, max=seq_q) - 1
+    if causal:
+        visible = kb_start[None, :] <= last_pos[:, None]
+    else:
+        visible = torch.ones((n_q, n_k), dtype=torch.bool, device=device)
+    diagonal = (kb_start[None, :] + block_size - 1 >= first_pos[:, None]) & (kb_start[None, :] <= last_pos[:, None])
+    sink = (torch.arange(n_k, device=device) == 0)[None, :]
+    return visible, visible & (diagonal | sink)
+
+
+def xattn_select_blocks(
+    scores: torch.Tensor,
+    threshold: float,
+    causal: bool = True,
+    block_size: int = 128,
+    seq_q: int | None = None,
+    seq_k: int | None = None,
+) -> torch.Tensor:
+    """XAttention threshold selection: bool ``[Hq, nQ, nK]`` mask of the key blocks to compute.
+
+    Per (head, query block), the visible key blocks are ordered by descending score (stable: ties
+    keep index order) and block ``n`` in that order is kept while the sum of the scores before it
+    is ``< threshold``, i.e. the smallest prefix whose cumulative score reaches ``threshold``
+    (cumulated in float64). ``threshold >= 1`` keeps every visible block. The sink block 0 and the
+    diagonal blocks are always kept; a causally hidden block never is (see :func:`block_layout`).
+    Kept sets grow monotonically with the threshold.
+
+    Args:
+        scores: ``[Hq, nQ, nK]`` non-negative block scores, rows summing to 1 (as from
+            :func:`xattn_block_scores`); any float dtype.
+        threshold: cumulative share to reach, ``0 <= threshold <= 1`` (paper: 0.9-0.95).
+        causal: whether the attention is causal (bottom-right aligned).
+        block_size, seq_q, seq_k: the token lengths behind the blocks (see :func:`block_layout`).
+
+    Raises:
+        ValueError: scores not 3-D, threshold outside 0..1, or lengths inconsistent with the shape.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"expected scores [Hq, nQ, nK]; got {tuple(scores.shape)}")
+    threshold = float(threshold)
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold={threshold} is outside 0..1")
+    _, n_q, n_k = scores.shape
+    visible, forced = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, scores.device)
+    if threshold >= 1.0:
+        return visible.expand(scores.shape).clone()
+    values = torch.where(visible, scores.double(), 0.0)
+    ordered, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    keep = torch.zeros_like(visible.expand(scores.shape)).scatter(-1, order, before < threshold)
+    return (keep & visible) | forced
+
+
+def block_density(
+    mask: torch.Tensor, causal: bool = True, block_size: int = 128, seq_q: int | None = None,
+    seq_k: int | None = None,
+) -> float:
+    """Kept blocks / visible blocks of a ``[Hq, nQ, nK]`` bool mask (0.0 when nothing is visible);
+    visibility as in :func:`block_layout`. Syncs with the device (returns a Python float)."""
+    if mask.dim() != 3:
+        raise ValueError(f"expected mask [Hq, nQ, nK]; got {tuple(mask.shape)}")
+    heads, n_q, n_k = mask.shape
+    visible, _ = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, mask.device)
+    total = int(visible.sum()) * heads
+    return float((mask.bool() & visible).sum()) / total if total else 0.0

@@ -1,0 +1,113 @@
+"""CUDA paths of XAttention estimation (nanovllm.ops.xattn_estimate) and block-sparse attention
+(nanovllm.ops.block_sparse_attention) against their torch references at 8K-32K tokens, bf16,
+Hq 32 / Hkv 8 (GQA 4:1), head_dim 64/128, 128-token blocks."""
+
+import math
+
+import pytest
+import torch
+
+from nanovllm.ops import flash_attn_with_lse
+from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
+from nanovllm.ops.xattn_estimate import (
+    block_density,
+    block_layout,
+    xattn_block_scores,
+    xattn_block_scores_ref,
+    xattn_select_blocks,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = "cuda"
+BLOCK = 128
+
+
+def qkv(seq_q, seq_k, heads_q=32, heads_kv=8, dim=128, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(seq_q, heads_q, dim, device=DEVICE, generator=gen)
+    k = torch.randn(seq_k, heads_kv, dim, device=DEVICE, generator=gen)
+    v = torch.randn(seq_k, heads_kv, dim, device=DEVICE, generator=gen)
+    # Heavy keys give the attention (and the block scores) real structure.
+    k[torch.randint(0, seq_k, (seq_k // 50,), device=DEVICE, generator=gen)] *= 4.0
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def assert_close(actual, expected, rel=1e-2, atol=3e-2):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert not torch.isnan(actual).any()
+    diff = actual.float() - expected.float()
+    relative = diff.norm() / (expected.float().norm() + 1e-6)
+    assert relative <= rel, f"relative error {relative:.3e}"
+    assert diff.abs().max() <= atol, f"max abs error {diff.abs().max():.3e}"
+
+
+def assert_lse_close(lse, ref, atol=1e-2):
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref))
+    finite = torch.isfinite(ref)
+    assert (lse[finite] - ref[finite]).abs().max() <= atol
+
+
+@pytest.mark.parametrize(
+    "seq_q, seq_k, dim, stride",
+    [(8192, 8192, 128, 8), (8192, 8192, 64, 8), (16384, 16384, 128, 16), (32768, 32768, 128, 8),
+     (4000, 20000, 128, 8)],
+)
+def test_block_scores_match_reference(seq_q, seq_k, dim, stride):
+    q, k, _ = qkv(seq_q, seq_k, dim=dim)
+    got = xattn_block_scores(q, k, stride, BLOCK, dim**-0.5)
+    ref = xattn_block_scores_ref(q, k, stride, BLOCK, dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert (got - ref).abs().max() <= 1e-3
+    lengths = dict(block_size=BLOCK, seq_q=seq_q, seq_k=seq_k)
+    for threshold in (0.9, 0.95):
+        mask = xattn_select_blocks(got, threshold, True, **lengths)
+        ref_mask = xattn_select_blocks(ref, threshold, True, **lengths)
+        # bf16 products accumulate in another order: only near-ties at the threshold may flip.
+        assert (mask != ref_mask).float().mean() <= 1e-3
+        assert abs(block_density(mask, True, **lengths) - block_density(ref_mask, True, **lengths)) <= 1e-2
+
+
+def test_block_scores_float32_and_fp16():
+    q, k, _ = qkv(4096, 6000, heads_q=8, heads_kv=2)
+    for dtype in (torch.float32, torch.float16):
+        got = xattn_block_scores(q.to(dtype), k.to(dtype), 8, BLOCK)
+        ref = xattn_block_scores_ref(q.to(dtype), k.to(dtype), 8, BLOCK)
+        assert (got - ref).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("seq_q, seq_k", [(8192, 8192), (16384, 16384), (3000, 10000)])
+def test_block_sparse_attention_matches_reference(dim, seq_q, seq_k):
+    q, k, v = qkv(seq_q, seq_k, dim=dim, seed=1)
+    lengths = dict(block_size=BLOCK, seq_q=seq_q, seq_k=seq_k)
+    scores = xattn_block_scores(q, k, 8, BLOCK, dim**-0.5)
+    mask = xattn_select_blocks(scores, 0.9, True, **lengths)
+    mask[3, 2] = False  # a query block that sees nothing: out 0, lse -inf
+    out, lse = block_sparse_attention(q, k, v, mask, BLOCK, dim**-0.5, True)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, BLOCK, dim**-0.5, True)
+    assert_close(out, ref_out)
+    assert_lse_close(lse, ref_lse)
+    assert (out[2 * BLOCK : 3 * BLOCK, 3] == 0).all()
+
+
+@pytest.mark.parametrize("seq_q, seq_k", [(16384, 16384), (5000, 9000)])
+def test_block_sparse_attention_all_blocks_equals_dense(seq_q, seq_k):
+    q, k, v = qkv(seq_q, seq_k, seed=2)
+    visible, _ = block_layout(math.ceil(seq_q / BLOCK), math.ceil(seq_k / BLOCK), True, BLOCK, seq_q, seq_k, DEVICE)
+    mask = visible.expand(32, *visible.shape).contiguous()
+    out, lse = block_sparse_attention(q, k, v, mask, BLOCK, 128**-0.5, True)
+    dense, dense_lse = flash_attn_with_lse(q[None], k[None], v[None], 128**-0.5, True)
+    assert_close(out, dense[0])
+    assert_lse_close(lse, dense_lse[0])
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5])
+def test_block_sparse_attention_random_mask_non_causal(density):
+    q, k, v = qkv(4096, 8192, seed=3)
+    mask = torch.rand(32, 32, 64, device=DEVICE) < density
+    out, lse = block_sparse_attention(q, k, v, mask, BLOCK, 128**-0.5, False)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, BLOCK, 128**-0.5, False)
+    assert_close(out, ref_out)
+    assert_lse_close(lse, ref_lse)

@@ -1,0 +1,535 @@
+#!/usr/bin/env python
+"""RULER-style long-context evaluation: synthetic retrieval, tracking and aggregation tasks.
+
+Both a pytest module and a command-line tool; they share :func:`run_ruler`.
+
+The prompts come from :func:`nanovllm.utils.ruler.generate_samples` (needle-in-a-haystack with
+numbers, words and UUIDs, multi-key / multi-value / multi-query needles, variable tracking,
+common-words and frequent-words extraction), each exactly ``--input-len`` tokens with the model's
+chat template. Every task's samples go through ``LLM.generate`` greedily in one call, and each
+output is scored with RULER's metric (:func:`nanovllm.utils.ruler.score`: the fraction of the
+reference strings contained in the output).
+
+Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
+:func:`nanovllm.fetch.fetch_model`)::
+
+    python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
+        --enable-offload --block-size 1024 --num-gpu-blocks 2 --sparse-policy FULL
+    python tests/test_ruler.py --model DIR --device cuda --dtype bfloat16 --tasks vt,cwe ...
+
+It prints a per-task table (task, samples, mean score, seconds) and the overall mean (the mean
+of the per-task means, as RULER averages tasks), optionally writes everything as JSON
+(``--json-output PATH``: settings, per-sample outputs, answers and scores), and exits 0 after a
+completed run (the scores are a measurement, not a pass/fail), 2 on bad arguments.
+
+pytest: fast unit tests of the generator with the SmolLM2 tokenizer (exact lengths of every task
+at 500 and 2000 tokens, answers inside the prompt, determinism, scoring, errors) and one small
+end-to-end CLI run (niah_single_numbers, one ~1000-token prompt, offloaded KV, CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import pytest
+
+from nanovllm.utils import ruler
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+
+
+# ---- settings and validation -----------------------------------------------------------
+@dataclass
+class RulerSettings:
+    """One evaluation: which tasks, how many samples of what length, and the engine options.
+
+    ``max_new_tokens=None`` uses each task's RULER budget (:data:`ruler.MAX_NEW_TOKENS`).
+    ``num_cpu_blocks=None`` gives the offloaded host cache exactly what ``max_num_seqs``
+    sequences of ``max_model_len`` tokens need.
+    """
+
+    tasks: list[str] = field(default_factory=lambda: list(ruler.TASKS))
+    num_samples: int = 5
+    input_len: int = 4096
+    max_new_tokens: int | None = None
+    seed: int = 0
+    enable_offload: bool = False
+    num_gpu_blocks: int = 2
+    block_size: int = 1024
+    sparse_policy: str = "FULL"
+    sparse_topk_blocks: int = 8
+    sparse_threshold_blocks: int = 4
+    num_cpu_blocks: int | None = None
+    max_num_seqs: int = 1
+    device: str = "auto"
+    dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
+    enforce_eager: bool = False
+
+    def task_max_new_tokens(self, task: str) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else ruler.MAX_NEW_TOKENS[task]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_len + max(self.task_max_new_tokens(t) for t in self.tasks)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option, the value and the limit."""
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")
+        self.tasks = [ruler.resolve_task(t) for t in self.tasks]
+        for name, value, low in (("num-samples", self.num_samples, 1), ("input-len", self.input_len, 1),
+                                 ("max-num-seqs", self.max_num_seqs, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int)
+                                                or self.max_new_tokens < 1):
+            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in (None, *DTYPE_CHOICES[1:]):
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if not self.enable_offload:
+            return
+        if self.num_gpu_blocks < 2:
+            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
+        if self.block_size <= 0 or self.block_size % 256:
+            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        from nanovllm.kvcache.sparse import SparsePolicyType
+
+        try:
+            SparsePolicyType.parse(self.sparse_policy)
+        except ValueError:
+            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
+                             f"got {self.sparse_policy!r}") from None
+        if self.sparse_topk_blocks < 1:
+            raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")
+        if self.sparse_threshold_blocks < 0:
+            raise ValueError(f"sparse-threshold-blocks must be >= 0, got {self.sparse_threshold_blocks}")
+        need = -(-self.max_model_len // self.block_size)
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
+            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
+                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
+                             f"{self.block_size} are needed")
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of :class:`nanovllm.LLM` for this evaluation."""
+        kw = dict(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                  device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
+        if self.enable_offload:
+            per_seq = -(-self.max_model_len // self.block_size)
+            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
+                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
+                      sparse_topk_blocks=self.sparse_topk_blocks,
+                      sparse_threshold_blocks=self.sparse_threshold_blocks,
+                      num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
+                                              else per_seq * self.max_num_seqs))
+        return kw
+
+
+def make_llm(model_dir: str, settings: RulerSettings):
+    """An :class:`nanovllm.LLM` able to run ``settings`` (validated first)."""
+    from nanovllm import LLM
+
+    settings.validate()
+    return LLM(model_dir, **settings.engine_kwargs())
+
+
+def build_samples(tokenizer, settings: RulerSettings) -> dict[str, list[dict]]:
+    """Every task's samples (ValueError when ``input_len`` is too small for one of them)."""
+    return {t: ruler.generate_samples(tokenizer, t, settings.num_samples, settings.input_len,
+                                      seed=settings.seed) for t in settings.tasks}
+
+
+# ---- the run -----------------------------------------------------------------------------
+@dataclass
+class TaskResult:
+    task: str
+    scores: list[float]
+    outputs: list[str]
+    answers: list[list[str]]
+    finish_reasons: list[str]
+    generated_tokens: list[int]
+    seconds: float
+
+    @property
+    def mean(self) -> float:
+        return sum(self.scores) / len(self.scores) if self.scores else 0.0
+
+
+@dataclass
+class RulerReport:
+    results: list[TaskResult]
+    input_len: int
+    settings: dict = field(default_factory=dict)
+    offload: dict | None = None
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+
+    @property
+    def overall(self) -> float:
+        """The mean of the per-task means (RULER's average over tasks)."""
+        return sum(r.mean for r in self.results) / len(self.results) if self.results else 0.0
+
+    def table(self) -> str:
+        width = max([len("overall (task mean)")] + [len(r.task) for r in self.results])
+        lines = [f"{'task':<{width}}  {'samples':>7}  {'mean score':>10}  {'seconds':>8}",
+                 "-" * (width + 31)]
+        for r in self.results:
+            lines.append(f"{r.task:<{width}}  {len(r.scores):>7}  {r.mean:>10.3f}  {r.seconds:>8.1f}")
+        lines.append("-" * (width + 31))
+        lines.append(f"{'overall (task mean)':<{width}}  {sum(len(r.scores) for r in self.results):>7}  "
+                     f"{self.overall:>10.3f}  {sum(r.seconds for r in self.results):>8.1f}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        o = self.offload
+        offload = ("off" if o is None else
+                   f"on: {o['block_size']}-token blocks, {o['num_gpu_blocks']} ring slots, "
+                   f"{o['num_cpu_blocks']} CPU blocks, policy {o['sparse_policy']}")
+        head = [f"model:       {self.model} ({self.device}, {self.dtype})",
+                f"input len:   {self.input_len} tokens per prompt",
+                f"offload:     {offload}", ""]
+        return "\n".join(head) + self.table()
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "device": self.device, "dtype": self.dtype,
+                "input_len": self.input_len, "settings": self.settings, "offload": self.offload,
+                "overall_mean_score": self.overall,
+                "tasks": [{**asdict(r), "mean_score": r.mean, "num_samples": len(r.scores)}
+                          for r in self.results]}
+
+
+def engine_offload(llm) -> dict | None:
+    """The offload settings the engine actually runs with (None: no offload)."""
+    cfg = llm.config
+    if not cfg.enable_cpu_offload:
+        return None
+    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
+                num_cpu_blocks=llm.model_runner.num_kv_blocks,
+                sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
+
+
+def run_ruler(llm, settings: RulerSettings, samples: dict[str, list[dict]] | None = None,
+              log=None) -> RulerReport:
+    """Generate every task's samples greedily with ``llm`` (one ``generate`` call per task) and
+    score them. ``samples`` (from :func:`build_samples`) are built when not given; ``log`` (a
+    callable taking a line) reports each task as it finishes.
+
+    Raises:
+        ValueError: bad settings, or ``input_len + max_new_tokens`` beyond the engine's
+            ``max_model_len``.
+    """
+    from nanovllm import SamplingParams
+
+    settings.validate()
+    cfg = llm.config
+    if settings.max_model_len > cfg.max_model_len:
+        raise ValueError(f"input-len + max-new-tokens = {settings.max_model_len} exceeds the "
+                         f"engine's max_model_len={cfg.max_model_len}")
+    if samples is None:
+        samples = build_samples(llm.tokenizer, settings)
+    results = []
+    for task in settings.tasks:
+        batch = samples[task]
+        params = [SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens or s["max_new_tokens"])
+                  for s in batch]
+        t0 = time.perf_counter()
+        outs = llm.generate([s["input_ids"] for s in batch], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        result = TaskResult(
+            task=task, scores=[ruler.score(task, o["text"], s["answers"]) for o, s in zip(outs, batch)],
+            outputs=[o["text"] for o in outs], answers=[s["answers"] for s in batch],
+            finish_reasons=[o["finish_reason"] for o in outs],
+            generated_tokens=[len(o["token_ids"]) for o in outs], seconds=seconds)
+        results.append(result)
+        if log is not None:
+            log(f"{task}: mean score {result.mean:.3f} over {len(batch)} samples ({seconds:.1f} s)")
+    return RulerReport(results=results, input_len=settings.input_len, settings=asdict(settings),
+                       offload=engine_offload(llm), model=str(cfg.model), device=cfg.device,
+                       dtype=str(cfg.dtype).removeprefix("torch."))
+
+
+# ---- command line ------------------------------------------------------------------------
+def _parse_tasks(text: str) -> list[str]:
+    if text.strip().lower() == "all":
+        return list(ruler.TASKS)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("must be 'all' or a comma-separated list of tasks")
+    try:
+        return list(dict.fromkeys(ruler.resolve_task(t) for t in names))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python tests/test_ruler.py",
+        description="RULER-style long-context evaluation of nanovllm: synthetic tasks with "
+                    "prompts of exactly --input-len tokens, scored by RULER's metrics.")
+    p.add_argument("--model", default=None,
+                   help="HF model directory (default: SmolLM2-135M-Instruct via nanovllm.fetch)")
+    p.add_argument("--tasks", type=_parse_tasks, default=list(ruler.TASKS),
+                   help=f"'all' (default) or a comma-separated subset of {','.join(ruler.TASKS)}")
+    p.add_argument("--num-samples", type=int, default=5, help="samples per task (default 5)")
+    p.add_argument("--input-len", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="answer budget for every task (default: RULER's per task: niah 128, vt 30, "
+                        "cwe 120, fwe 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
+    p.add_argument("--enable-offload", action="store_true",
+                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
+    p.add_argument("--num-cpu-blocks", type=int, default=None,
+                   help="offload host KV blocks (default: what --max-num-seqs sequences need)")
+    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
+    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
+    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
+                   help="QUEST: select only above this many blocks (default 4)")
+    p.add_argument("--max-num-seqs", type=int, default=1, help="sequences run together (default 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: the model's dtype on GPU, float32 on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json-output", default=None, metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = RulerSettings(
+        tasks=args.tasks, num_samples=args.num_samples, input_len=args.input_len,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, enable_offload=args.enable_offload,
+        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+        sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
+        sparse_threshold_blocks=args.sparse_threshold_blocks, num_cpu_blocks=args.num_cpu_blocks,
+        max_num_seqs=args.max_num_seqs, device=args.device,
+        dtype=None if args.dtype == "auto" else args.dtype, enforce_eager=args.enforce_eager)
+    try:
+        settings.validate()
+    except ValueError as err:
+        parser.error(str(err))
+
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model is None:
+        from nanovllm.fetch import fetch_model
+
+        model_dir = fetch_model()
+    else:
+        model_dir = args.model
+        if not (Path(model_dir) / "config.json").is_file():
+            parser.error(f"--model {model_dir}: not a model directory (no config.json)")
+    # The checks that need the model, before paying for the engine.
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    if settings.max_model_len > limit:
+        parser.error(f"--input-len + --max-new-tokens = {settings.max_model_len} exceeds the "
+                     f"model's max_position_embeddings={limit}")
+    t0 = time.perf_counter()
+    try:
+        samples = build_samples(AutoTokenizer.from_pretrained(model_dir), settings)
+    except ValueError as err:
+        parser.error(str(err))
+    build_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    try:
+        llm = make_llm(model_dir, settings)
+    except ValueError as err:
+        parser.error(str(err))
+    load_s = time.perf_counter() - t0
+    try:
+        report = run_ruler(llm, settings, samples, log=lambda line: print(line, flush=True))
+    finally:
+        llm.shutdown()
+    print()
+    print(report.summary())
+    print(f"\nsamples built in {build_s:.2f} s, engine loaded in {load_s:.2f} s")
+    if args.json_output:
+        with open(args.json_output, "w") as f:
+            json.dump({**report.to_json(), "build_seconds": build_s, "engine_load_seconds": load_s},
+                      f, indent=2)
+            f.write("\n")
+    return 0
+
+
+# ---- pytest ------------------------------------------------------------------------------
+UNIT_LENGTHS = (500, 2000)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from nanovllm.fetch import fetch_model
+
+    return AutoTokenizer.from_pretrained(fetch_model())
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    """Two samples of every task at each unit-test length, built once."""
+    return {(t, n): ruler.generate_samples(tokenizer, t, 2, n, seed=0)
+            for t in ruler.TASKS for n in UNIT_LENGTHS}
+
+
+@pytest.mark.parametrize("input_len", UNIT_LENGTHS)
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_exact_length_and_fields(samples, tokenizer, task, input_len):
+    batch = samples[(task, input_len)]
+    assert len(batch) == 2
+    for s in batch:
+        assert set(s) == {"task", "input_ids", "answers", "max_new_tokens"}
+        assert s["task"] == task
+        assert len(s["input_ids"]) == input_len
+        assert all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in s["input_ids"])
+        assert s["answers"] and all(isinstance(a, str) and a for a in s["answers"])
+        assert s["max_new_tokens"] == ruler.MAX_NEW_TOKENS[task]
+    assert batch[0]["input_ids"] != batch[1]["input_ids"]
+
+
+EXPECTED_ANSWERS = {"niah_single_numbers": 1, "niah_single_words": 1, "niah_single_uuids": 1,
+                    "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4,
+                    "vt": 5, "cwe": 10, "fwe": 3}
+
+
+@pytest.mark.parametrize("input_len", UNIT_LENGTHS)
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_answers_in_prompt(samples, tokenizer, task, input_len):
+    """Each answer is where the task puts it: in a needle, a chain, or (most often) in a list."""
+    for s in samples[(task, input_len)]:
+        text = tokenizer.decode(s["input_ids"])
+        answers = s["answers"]
+        assert len(answers) == EXPECTED_ANSWERS[task]
+        assert len(set(answers)) == len(answers)
+        # The prompt ends with the chat template's assistant turn and the task's answer prefix.
+        assert text.rstrip().endswith(("provided text are", "they are:", "in the list are:",
+                                       "most frequently appeared words are:")), text[-200:]
+        if task.startswith("niah"):
+            type_v = {"words": "words", "uuids": "uuids"}.get(task.rsplit("_", 1)[-1], "numbers")
+            for a in answers:
+                assert re.search(rf"One of the special magic {type_v} for [a-z-]+ is: {re.escape(a)}\.", text), a
+            question = text[text.index("What are all the special magic"):]
+            needles = re.findall(rf"One of the special magic {type_v} for ([a-z-]+) is: (\S+)\.", text)
+            asked = [k for k, v in needles if v in answers]
+            assert all(k in question for k in asked)
+            if task == "niah_multikey":  # three distractor keys that are not asked for
+                assert len(needles) == 4 and sum(k in question for k, _ in needles) == 1
+        elif task == "vt":
+            main = text[text.rindex("Memorize and track"):]  # after vt's in-context example
+            value = re.search(r"assigned the value (\d+) in the text above", main).group(1)
+            assert f"VAR {answers[0]} = {value}." in main
+            for prev, cur in zip(answers, answers[1:]):
+                assert f"VAR {cur} = VAR {prev}." in main
+        elif task == "cwe":
+            main = text[text.rindex("Below is a numbered list of words."):]
+            listed = re.findall(r"\d+\. ([a-z]+)", main.split("\nQuestion:")[0])
+            counts = Counter(listed)
+            least_common = min(counts[a] for a in answers)
+            others = [c for w, c in counts.items() if w not in answers]
+            assert least_common > max(others, default=0), (counts, answers)
+            assert [int(n) for n in re.findall(r"(\d+)\. ", main.split("\nQuestion:")[0])] == \
+                list(range(1, len(listed) + 1))
+        else:  # fwe
+            words = text.split("coded words. ", 1)[1].split("\nQuestion:")[0].split()
+            counts = Counter(w for w in words if w != "...")
+            ranked = [w for w, _ in counts.most_common(4)]
+            assert ranked[:3] == answers, (counts.most_common(5), answers)
+            assert counts[answers[2]] > counts[ranked[3]]
+
+
+def test_deterministic_by_seed(tokenizer):
+    for task in ruler.TASKS:
+        a = ruler.generate_samples(tokenizer, task, 2, 700, seed=3)
+        b = ruler.generate_samples(tokenizer, task, 2, 700, seed=3)
+        c = ruler.generate_samples(tokenizer, task, 2, 700, seed=4)
+        assert a == b, task
+        assert [s["input_ids"] for s in a] != [s["input_ids"] for s in c], task
+    # A sample depends on its index, not on how many are asked for.
+    assert ruler.generate_samples(tokenizer, "vt", 1, 700)[0] == ruler.generate_samples(tokenizer, "vt", 3, 700)[0]
+
+
+def test_aliases_and_errors(tokenizer):
+    assert ruler.generate_samples(tokenizer, "niah_single", 1, 500)[0]["task"] == "niah_single_numbers"
+    assert ruler.resolve_task("variable_tracking") == "vt"
+    with pytest.raises(ValueError, match=r"unknown task 'nope'.*niah_single_numbers"):
+        ruler.generate_samples(tokenizer, "nope", 1, 500)
+    with pytest.raises(ValueError, match="unknown task"):
+        ruler.score("nope", "x", ["x"])
+    for task in ruler.TASKS:
+        with pytest.raises(ValueError, match=rf"input_len=50 is too small for task '{task}'.*at least (\d+) tokens") as exc:
+            ruler.generate_samples(tokenizer, task, 1, 50)
+        need = int(re.search(r"at least (\d+)", str(exc.value)).group(1))
+        assert len(ruler.generate_samples(tokenizer, task, 1, need)[0]["input_ids"]) == need
+    with pytest.raises(ValueError, match="num_samples must be"):
+        ruler.generate_samples(tokenizer, "vt", -1, 500)
+    with pytest.raises(ValueError, match="input_len must be"):
+        ruler.generate_samples(tokenizer, "vt", 1, 0)
+    assert ruler.generate_samples(tokenizer, "cwe", 0, 500) == []
+
+
+def test_score_examples():
+    assert ruler.score("niah_single_numbers", ": 1234567.", ["1234567"]) == 1.0
+    assert ruler.score("niah_single_numbers", "I do not know", ["1234567"]) == 0.0
+    assert ruler.score("niah_multivalue", "1, 2 and 4", ["1", "2", "3", "5"]) == 0.5
+    assert ruler.score("niah_single_uuids", "ABCDEF12-0000", ["abcdef12-0000"]) == 1.0  # case-insensitive
+    assert ruler.score("vt", " QWERT, ASDFG\x00zxcvb", ["QWERT", "ASDFG", "ZXCVB", "POIUY"]) == 0.75
+    assert ruler.score("cwe", "1. cat 2. dog", ["cat", "dog", "owl", "fox"]) == 0.5
+    assert ruler.score("fwe", "abcdef, ghijkl, mnopqr", ["abcdef", "ghijkl", "mnopqr"]) == 1.0
+    assert ruler.string_match_part("the answer is Paris", ["London", "paris"]) == 1.0
+    assert ruler.string_match_part("no idea", ["London", "paris"]) == 0.0
+
+
+def test_cli_argument_errors(capsys):
+    cases = [
+        (["--tasks", "vt,nope"], "unknown task 'nope'"),
+        (["--num-samples", "0"], "num-samples must be an integer >= 1"),
+        (["--input-len", "0"], "input-len must be an integer >= 1"),
+        (["--enable-offload", "--num-gpu-blocks", "1"], "num-gpu-blocks must be >= 2"),
+        (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
+        (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
+        (["--input-len", "9000", "--tasks", "vt"], "exceeds the model's max_position_embeddings=8192"),
+        (["--input-len", "100", "--tasks", "cwe"], "input_len=100 is too small for task 'cwe'"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_cli_end_to_end_small(tmp_path, capsys):
+    """One ~1000-token niah_single_numbers prompt through the offloaded engine on CPU: the run
+    completes, prints the table and scores in [0, 1] (the model's accuracy is not asserted)."""
+    out = tmp_path / "ruler.json"
+    code = main(["--tasks", "niah_single", "--num-samples", "1", "--input-len", "1000",
+                 "--max-new-tokens", "24", "--enable-offload", "--block-size", "1024",
+                 "--num-gpu-blocks", "2", "--sparse-policy", "FULL", "--device", "cpu",
+                 "--dtype", "float32", "--enforce-eager", "--json-output", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^task\s+samples\s+mean score", printed, re.M), printed
+    assert re.search(r"^niah_single_numbers\s+1\s+[01]\.\d{3}", printed, re.M), printed
+    assert "overall (task mean)" in printed
+    data = json.loads(out.read_text())
+    (task,) = data["tasks"]
+    assert task["task"] == "niah_single_numbers" and task["num_samples"] == 1
+    assert 0.0 <= task["mean_score"] <= 1.0 and 0.0 <= data["overall_mean_score"] <= 1.0
+    assert data["offload"]["num_gpu_blocks"] == 2 and data["input_len"] == 1000
+    assert 1 <= task["generated_tokens"][0] <= 24
+
+
+if __name__ == "__main__":
+    sys.exit(main())
