@@ -9,7 +9,7 @@ class LLM(LLMEngine):
 
         llm = LLM("path/to/model", max_model_len=4096)
         out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
-        print(out[0]["text"])
+        text = out[0]["text"]
 
     Use it as a context manager, or call :meth:`shutdown` (also run when the object is collected and at exit), to
     release GPU memory so another ``LLM`` can be built in the same process.

@@ -36,37 +36,26 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import pytest
+from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
+                          resolve_model_dir)
 
 from nanovllm.utils.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
 
 DEFAULT_NEEDLE = 58213
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
 
 # ---- settings and validation -----------------------------------------------------------
 @dataclass
-class NeedleSettings:
-    """One needle run: the prompt, the answer budget and the engine's offload/runtime options.
-
-    ``num_cpu_blocks=None`` gives the host cache exactly the blocks one sequence of
-    ``input_len + max_new_tokens`` tokens needs (the engine's own sizing, -1, would take a share
-    of all free host memory, and on CPU it also sizes the "GPU" decode buffers from host memory).
+class NeedleSettings(EngineSettings):
+    """One needle run: the prompt, the answer budget and the engine's offload/runtime options
+    (:class:`EngineSettings`; ``num_cpu_blocks=None`` gives the host cache exactly the blocks one
+    sequence of ``input_len + max_new_tokens`` tokens needs).
     """
 
     input_len: int = 4096
     needle_position: float = 0.5
     needle_value: int = DEFAULT_NEEDLE
     max_new_tokens: int = 16
-    enable_offload: bool = False
-    num_gpu_blocks: int = 2
-    block_size: int = 1024
-    sparse_policy: str = "FULL"
-    sparse_topk_blocks: int = 8
-    sparse_threshold_blocks: int = 4
-    num_cpu_blocks: int | None = None
-    device: str = "auto"
-    dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
-    enforce_eager: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -85,49 +74,7 @@ class NeedleSettings:
             raise ValueError(f"needle-value must be a non-negative integer, got {self.needle_value!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in (None, *DTYPE_CHOICES[1:]):
-            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if not self.enable_offload:
-            return
-        if self.num_gpu_blocks < 2:
-            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
-        if self.block_size <= 0 or self.block_size % 256:
-            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
-        from nanovllm.kvcache.sparse import SparsePolicyType
-
-        try:
-            SparsePolicyType.parse(self.sparse_policy)
-        except ValueError:
-            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
-                             f"got {self.sparse_policy!r}") from None
-        need = -(-self.max_model_len // self.block_size)
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
-            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
-                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
-                             f"{self.block_size} are needed")
-
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments of :class:`nanovllm.LLM` for this run (one sequence at a time)."""
-        kw = dict(max_model_len=self.max_model_len, max_num_seqs=1, device=self.device,
-                  dtype=self.dtype, enforce_eager=self.enforce_eager)
-        if self.enable_offload:
-            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
-                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
-                      sparse_topk_blocks=self.sparse_topk_blocks,
-                      sparse_threshold_blocks=self.sparse_threshold_blocks,
-                      num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
-                                              else -(-self.max_model_len // self.block_size)))
-        return kw
-
-
-def make_llm(model_dir: str, settings: NeedleSettings):
-    """An :class:`nanovllm.LLM` able to run ``settings`` (validated first)."""
-    from nanovllm import LLM
-
-    settings.validate()
-    return LLM(model_dir, **settings.engine_kwargs())
+        super().validate()
 
 
 # ---- prompt ------------------------------------------------------------------------------
@@ -243,16 +190,6 @@ def _generate_timed(llm, ids: list[int], sampling_params) -> tuple[dict, float, 
     return out, prefill_s, decode_s
 
 
-def engine_offload(llm) -> dict | None:
-    """The offload settings the engine actually runs with (None: GPU-only paged KV cache)."""
-    cfg = llm.config
-    if not cfg.enable_cpu_offload:
-        return None
-    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
-                num_cpu_blocks=llm.model_runner.num_kv_blocks,
-                sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
-
-
 def _offload_bytes(llm) -> tuple[int, int] | None:
     engine = getattr(getattr(llm, "model_runner", None), "offload_engine", None)
     return None if engine is None else (engine.bytes_h2d, engine.bytes_d2h)
@@ -323,21 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "number from --seed")
     p.add_argument("--seed", type=int, default=0, help="seed of --needle-value random (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer budget (default 16)")
-    p.add_argument("--enable-offload", action="store_true",
-                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
-    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
-    p.add_argument("--block-size", type=int, default=1024,
-                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
-    p.add_argument("--num-cpu-blocks", type=int, default=None,
-                   help="offload host KV blocks (default: what one sequence needs)")
-    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
-    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
-    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
-                   help="QUEST: select only above this many blocks (default 4)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto: the model's dtype on GPU, float32 on CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_engine_arguments(p, num_cpu_blocks_help="offload host KV blocks (default: what one sequence needs)")
     p.add_argument("--json-output", default=None, metavar="PATH", help="also write the result as JSON")
     return p
 
@@ -350,33 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         value = random.Random(args.seed).randrange(10000, 100000)
     settings = NeedleSettings(
         input_len=args.input_len, needle_position=args.needle_position, needle_value=value,
-        max_new_tokens=args.max_new_tokens, enable_offload=args.enable_offload,
-        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-        sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
-        sparse_threshold_blocks=args.sparse_threshold_blocks, num_cpu_blocks=args.num_cpu_blocks, device=args.device,
-        dtype=None if args.dtype == "auto" else args.dtype, enforce_eager=args.enforce_eager)
+        max_new_tokens=args.max_new_tokens, **engine_fields(args))
     try:
         settings.validate()
     except ValueError as err:
         parser.error(str(err))
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if args.model is None:
-        from nanovllm.fetch import fetch_model
-
-        model_dir = fetch_model()
-    else:
-        model_dir = args.model
-        from pathlib import Path
-
-        if not (Path(model_dir) / "config.json").is_file():
-            parser.error(f"--model {model_dir}: not a model directory (no config.json)")
-    # The checks that need the model, before paying for the engine.
-    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    if settings.max_model_len > limit:
-        parser.error(f"--input-len + --max-new-tokens = {settings.max_model_len} exceeds the "
-                     f"model's max_position_embeddings={limit}")
+    model_dir = resolve_model_dir(parser, args.model, settings.max_model_len)
+    # The prompt check also needs the model, before paying for the engine.
     try:
         build_needle_prompt(AutoTokenizer.from_pretrained(model_dir), settings)
     except ValueError as err:

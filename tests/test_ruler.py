@@ -38,16 +38,17 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import pytest
+from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
+                          resolve_model_dir)
 
 from nanovllm.utils import ruler
-
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
 
 # ---- settings and validation -----------------------------------------------------------
 @dataclass
-class RulerSettings:
-    """One evaluation: which tasks, how many samples of what length, and the engine options.
+class RulerSettings(EngineSettings):
+    """One evaluation: which tasks, how many samples of what length, and the engine options
+    (:class:`EngineSettings`).
 
     ``max_new_tokens=None`` uses each task's RULER budget (:data:`ruler.MAX_NEW_TOKENS`).
     ``num_cpu_blocks=None`` gives the offloaded host cache exactly what ``max_num_seqs``
@@ -59,17 +60,7 @@ class RulerSettings:
     input_len: int = 4096
     max_new_tokens: int | None = None
     seed: int = 0
-    enable_offload: bool = False
-    num_gpu_blocks: int = 2
-    block_size: int = 1024
-    sparse_policy: str = "FULL"
-    sparse_topk_blocks: int = 8
-    sparse_threshold_blocks: int = 4
-    num_cpu_blocks: int | None = None
     max_num_seqs: int = 1
-    device: str = "auto"
-    dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
-    enforce_eager: bool = False
 
     def task_max_new_tokens(self, task: str) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else ruler.MAX_NEW_TOKENS[task]
@@ -90,54 +81,11 @@ class RulerSettings:
         if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int)
                                                 or self.max_new_tokens < 1):
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in (None, *DTYPE_CHOICES[1:]):
-            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if not self.enable_offload:
-            return
-        if self.num_gpu_blocks < 2:
-            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
-        if self.block_size <= 0 or self.block_size % 256:
-            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
-        from nanovllm.kvcache.sparse import SparsePolicyType
+        super().validate()
 
-        try:
-            SparsePolicyType.parse(self.sparse_policy)
-        except ValueError:
-            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
-                             f"got {self.sparse_policy!r}") from None
-        if self.sparse_topk_blocks < 1:
-            raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")
-        if self.sparse_threshold_blocks < 0:
-            raise ValueError(f"sparse-threshold-blocks must be >= 0, got {self.sparse_threshold_blocks}")
-        need = -(-self.max_model_len // self.block_size)
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
-            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
-                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
-                             f"{self.block_size} are needed")
-
-    def engine_kwargs(self) -> dict:
+    def engine_kwargs(self, max_model_len: int | None = None, max_num_seqs: int | None = None) -> dict:
         """Keyword arguments of :class:`nanovllm.LLM` for this evaluation."""
-        kw = dict(max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                  device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
-        if self.enable_offload:
-            per_seq = -(-self.max_model_len // self.block_size)
-            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
-                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
-                      sparse_topk_blocks=self.sparse_topk_blocks,
-                      sparse_threshold_blocks=self.sparse_threshold_blocks,
-                      num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
-                                              else per_seq * self.max_num_seqs))
-        return kw
-
-
-def make_llm(model_dir: str, settings: RulerSettings):
-    """An :class:`nanovllm.LLM` able to run ``settings`` (validated first)."""
-    from nanovllm import LLM
-
-    settings.validate()
-    return LLM(model_dir, **settings.engine_kwargs())
+        return super().engine_kwargs(max_model_len, self.max_num_seqs if max_num_seqs is None else max_num_seqs)
 
 
 def build_samples(tokenizer, settings: RulerSettings) -> dict[str, list[dict]]:
@@ -204,16 +152,6 @@ class RulerReport:
                 "overall_mean_score": self.overall,
                 "tasks": [{**asdict(r), "mean_score": r.mean, "num_samples": len(r.scores)}
                           for r in self.results]}
-
-
-def engine_offload(llm) -> dict | None:
-    """The offload settings the engine actually runs with (None: no offload)."""
-    cfg = llm.config
-    if not cfg.enable_cpu_offload:
-        return None
-    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
-                num_cpu_blocks=llm.model_runner.num_kv_blocks,
-                sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
 
 
 def run_ruler(llm, settings: RulerSettings, samples: dict[str, list[dict]] | None = None,
@@ -284,22 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer budget for every task (default: RULER's per task: niah 128, vt 30, "
                         "cwe 120, fwe 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
-    p.add_argument("--enable-offload", action="store_true",
-                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
-    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
-    p.add_argument("--block-size", type=int, default=1024,
-                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
-    p.add_argument("--num-cpu-blocks", type=int, default=None,
-                   help="offload host KV blocks (default: what --max-num-seqs sequences need)")
-    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
-    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
-    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
-                   help="QUEST: select only above this many blocks (default 4)")
-    p.add_argument("--max-num-seqs", type=int, default=1, help="sequences run together (default 1)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto: the model's dtype on GPU, float32 on CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_engine_arguments(
+        p, num_cpu_blocks_help="offload host KV blocks (default: what --max-num-seqs sequences need)",
+        before_device=lambda p: p.add_argument("--max-num-seqs", type=int, default=1,
+                                               help="sequences run together (default 1)"))
     p.add_argument("--json-output", default=None, metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -309,34 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = RulerSettings(
         tasks=args.tasks, num_samples=args.num_samples, input_len=args.input_len,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, enable_offload=args.enable_offload,
-        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-        sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
-        sparse_threshold_blocks=args.sparse_threshold_blocks, num_cpu_blocks=args.num_cpu_blocks,
-        max_num_seqs=args.max_num_seqs, device=args.device,
-        dtype=None if args.dtype == "auto" else args.dtype, enforce_eager=args.enforce_eager)
+        max_new_tokens=args.max_new_tokens, seed=args.seed, max_num_seqs=args.max_num_seqs,
+        **engine_fields(args))
     try:
         settings.validate()
     except ValueError as err:
         parser.error(str(err))
 
-    from pathlib import Path
+    from transformers import AutoTokenizer
 
-    from transformers import AutoConfig, AutoTokenizer
-
-    if args.model is None:
-        from nanovllm.fetch import fetch_model
-
-        model_dir = fetch_model()
-    else:
-        model_dir = args.model
-        if not (Path(model_dir) / "config.json").is_file():
-            parser.error(f"--model {model_dir}: not a model directory (no config.json)")
-    # The checks that need the model, before paying for the engine.
-    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    if settings.max_model_len > limit:
-        parser.error(f"--input-len + --max-new-tokens = {settings.max_model_len} exceeds the "
-                     f"model's max_position_embeddings={limit}")
+    model_dir = resolve_model_dir(parser, args.model, settings.max_model_len)
     t0 = time.perf_counter()
     try:
         samples = build_samples(AutoTokenizer.from_pretrained(model_dir), settings)

@@ -1,0 +1,159 @@
+"""Engine plumbing shared by the evaluation modules ``test_needle.py`` and ``test_ruler.py``.
+
+Importable under pytest (tests/ is on sys.path, like ``_util``) and when those files run as
+scripts (sys.path[0] is then tests/): the engine/offload settings with their validation and
+:class:`nanovllm.LLM` keyword arguments, the matching command-line options, the model-directory
+resolution, :func:`make_llm` and :func:`engine_offload`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+ENGINE_FIELDS = ("enable_offload", "num_gpu_blocks", "block_size", "sparse_policy", "sparse_topk_blocks",
+                 "sparse_threshold_blocks", "num_cpu_blocks", "device", "dtype", "enforce_eager")
+
+
+@dataclass
+class EngineSettings:
+    """The engine's offload/runtime options. Subclasses define ``max_model_len`` (the tokens one
+    sequence needs), check their own fields first and then call ``super().validate()``.
+
+    ``num_cpu_blocks=None`` gives the offloaded host cache exactly what ``max_num_seqs``
+    sequences of ``max_model_len`` tokens need (the engine's own sizing, -1, would take a share
+    of all free host memory, and on CPU it also sizes the "GPU" decode buffers from host memory).
+    """
+
+    enable_offload: bool = False
+    num_gpu_blocks: int = 2
+    block_size: int = 1024
+    sparse_policy: str = "FULL"
+    sparse_topk_blocks: int = 8
+    sparse_threshold_blocks: int = 4
+    num_cpu_blocks: int | None = None
+    device: str = "auto"
+    dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
+    enforce_eager: bool = False
+
+    @property
+    def max_model_len(self) -> int:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option, the value and the limit (the engine options)."""
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in (None, *DTYPE_CHOICES[1:]):
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if not self.enable_offload:
+            return
+        if self.num_gpu_blocks < 2:
+            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
+        if self.block_size <= 0 or self.block_size % 256:
+            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        from nanovllm.kvcache.sparse import SparsePolicyType
+
+        try:
+            SparsePolicyType.parse(self.sparse_policy)
+        except ValueError:
+            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
+                             f"got {self.sparse_policy!r}") from None
+        if self.sparse_topk_blocks < 1:
+            raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")
+        if self.sparse_threshold_blocks < 0:
+            raise ValueError(f"sparse-threshold-blocks must be >= 0, got {self.sparse_threshold_blocks}")
+        need = -(-self.max_model_len // self.block_size)
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
+            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
+                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
+                             f"{self.block_size} are needed")
+
+    def engine_kwargs(self, max_model_len: int | None = None, max_num_seqs: int = 1) -> dict:
+        """Keyword arguments of :class:`nanovllm.LLM` (``max_model_len`` defaults to the
+        settings' own)."""
+        if max_model_len is None:
+            max_model_len = self.max_model_len
+        kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
+                  dtype=self.dtype, enforce_eager=self.enforce_eager)
+        if self.enable_offload:
+            per_seq = -(-max_model_len // self.block_size)
+            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
+                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
+                      sparse_topk_blocks=self.sparse_topk_blocks,
+                      sparse_threshold_blocks=self.sparse_threshold_blocks,
+                      num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
+                                              else per_seq * max_num_seqs))
+        return kw
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: str,
+                         before_device=None) -> None:
+    """The command-line options of :class:`EngineSettings`' fields. ``before_device`` (a callable
+    taking the parser) adds options that belong between the offload ones and ``--device``."""
+    p = parser
+    p.add_argument("--enable-offload", action="store_true",
+                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
+    p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
+    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
+    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
+    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
+                   help="QUEST: select only above this many blocks (default 4)")
+    if before_device is not None:
+        before_device(p)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: the model's dtype on GPU, float32 on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_fields(args: argparse.Namespace) -> dict:
+    """:class:`EngineSettings`' fields from parsed :func:`add_engine_arguments` options."""
+    kw = {name: getattr(args, name) for name in ENGINE_FIELDS}
+    kw["dtype"] = None if args.dtype == "auto" else args.dtype
+    return kw
+
+
+def resolve_model_dir(parser: argparse.ArgumentParser, model: str | None, max_model_len: int) -> str:
+    """``model`` (default: SmolLM2 via :func:`nanovllm.fetch.fetch_model`), checked to be a model
+    directory whose ``max_position_embeddings`` holds ``max_model_len`` (``parser.error``
+    otherwise), before paying for the engine."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    if model is None:
+        from nanovllm.fetch import fetch_model
+
+        model_dir = fetch_model()
+    else:
+        model_dir = model
+        if not (Path(model_dir) / "config.json").is_file():
+            parser.error(f"--model {model_dir}: not a model directory (no config.json)")
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    if max_model_len > limit:
+        parser.error(f"--input-len + --max-new-tokens = {max_model_len} exceeds the "
+                     f"model's max_position_embeddings={limit}")
+    return model_dir
+
+
+def make_llm(model_dir: str, settings: EngineSettings):
+    """An :class:`nanovllm.LLM` able to run ``settings`` (validated first)."""
+    from nanovllm import LLM
+
+    settings.validate()
+    return LLM(model_dir, **settings.engine_kwargs())
+
+
+def engine_offload(llm) -> dict | None:
+    """The offload settings the engine actually runs with (None: GPU-only paged KV cache)."""
+    cfg = llm.config
+    if not cfg.enable_cpu_offload:
+        return None
+    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
+                num_cpu_blocks=llm.model_runner.num_kv_blocks,
+                sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
