@@ -7,14 +7,11 @@ TRITON_INTERPRET=1 and NANOVLLM_TRITON_INTERPRET=1; in the parent run they are s
 """
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from _interpreter import eager_only, interpreted_only, run_interpreted_tests
 
 from nanovllm.ops import (
     decode_attention,
@@ -30,9 +27,6 @@ from nanovllm.ops import (
     store_kvcache_ref,
 )
 
-INTERPRETED = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the child pytest under Triton's interpreter")
-eager_only = pytest.mark.skipif(INTERPRETED, reason="checks the CPU reference dispatch")
 NEG_INF = float("-inf")
 
 
@@ -358,17 +352,4 @@ def test_interpreted_prefill_with_prefix_matches_reference():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOVLLM_TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted", "-p", "no:cacheprovider",
-         "-W", "ignore::RuntimeWarning"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    report = result.stdout[-4000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= 13, report
-    assert "skipped" not in result.stdout, report
+    run_interpreted_tests(__file__, min_passed=13)

@@ -9,14 +9,11 @@ no bfloat16), so interpreted tests use float32/float16; bfloat16 is covered in t
 """
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from _interpreter import eager_only, interpreted_only, run_interpreted_tests
 
 from nanovllm.ops import flash_attn_with_lse_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
@@ -28,9 +25,6 @@ from nanovllm.ops.xattn_estimate import (
     xattn_select_blocks,
 )
 
-INTERPRETED = os.environ.get("NANOVLLM_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the child pytest under Triton's interpreter")
-eager_only = pytest.mark.skipif(INTERPRETED, reason="checks the CPU reference dispatch")
 NEG_INF = float("-inf")
 
 # (Sq, Sk, Hq, Hkv, D, stride, block_size, causal): GQA 4:1 and 1:1, head_dim 64/128, lengths
@@ -376,17 +370,4 @@ def test_interpreted_xattn_pipeline_end_to_end():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOVLLM_TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted", "-p", "no:cacheprovider",
-         "-W", "ignore::RuntimeWarning"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    report = result.stdout[-4000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= 25, report
-    assert "skipped" not in result.stdout, report
+    run_interpreted_tests(__file__, min_passed=25)
