@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _gpu_util import assert_close
 
 from nanovllm.ops import (
     decode_attention,
@@ -29,16 +30,6 @@ DEVICE = "cuda"
 BLOCK_SIZE = 256
 NEG_INF = float("-inf")
 GQA = [(16, 8), (24, 8), (32, 8)]
-
-
-def assert_close(actual, expected, rel=1e-2, atol=3e-2):
-    """No NaN, relative Frobenius error under rel and max abs error under atol."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    assert not torch.isnan(actual).any()
-    diff = actual.float() - expected.float()
-    relative = diff.norm() / (expected.float().norm() + 1e-6)
-    assert relative <= rel, f"relative error {relative:.3e}"
-    assert diff.abs().max() <= atol, f"max abs error {diff.abs().max():.3e}"
 
 
 def paged_cache(contexts, heads_kv, dim, dtype, pad_table=3):

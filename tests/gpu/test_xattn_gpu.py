@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _gpu_util import assert_close
 
 from nanovllm.ops import flash_attn_with_lse
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
@@ -31,15 +32,6 @@ def qkv(seq_q, seq_k, heads_q=32, heads_kv=8, dim=128, seed=0):
     # Heavy keys give the attention (and the block scores) real structure.
     k[torch.randint(0, seq_k, (seq_k // 50,), device=DEVICE, generator=gen)] *= 4.0
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
-
-
-def assert_close(actual, expected, rel=1e-2, atol=3e-2):
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    assert not torch.isnan(actual).any()
-    diff = actual.float() - expected.float()
-    relative = diff.norm() / (expected.float().norm() + 1e-6)
-    assert relative <= rel, f"relative error {relative:.3e}"
-    assert diff.abs().max() <= atol, f"max abs error {diff.abs().max():.3e}"
 
 
 def assert_lse_close(lse, ref, atol=1e-2):
