@@ -275,6 +275,7 @@ class ModelRunner:
                 self._tensor(list(range(start, start + n)), torch.int64), sample_idx)
 
     def prepare_offload_decode(self, seqs: list[Sequence]):
+        self.offload_engine.drop_prefetches()
         cpu_blocks, block_lens, offsets = [], [], []
         for seq in seqs:
             pos = len(seq) - 1

@@ -74,6 +74,7 @@ class OffloadEngine:
                                         for _ in range(2))
         self.block_bytes = block_size * num_kv_heads * head_dim * dtype.itemsize
         self.bytes_h2d = self.bytes_d2h = 0
+        self._prefetched: dict[int, tuple[int, int]] = {}  # slot -> (layer, cpu_block) in flight
         self._make_streams()
 
     def _host_cache(self, shape, dtype) -> torch.Tensor:
@@ -107,9 +108,13 @@ class OffloadEngine:
         return torch.cuda.current_stream(self.device) if self.cuda else _NullStream()
 
     # ---- ring buffer -------------------------------------------------------------------
-    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int):
+    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int, reuse_prefetch: bool = False):
         """Start copying ``layer`` of ``cpu_block`` into ring ``slot`` (H2D, async on the slot's
-        stream, after the slot's previous reader and the block's pending offload finished)."""
+        stream, after the slot's previous reader and the block's pending offload finished).
+        With ``reuse_prefetch``, a pending prefetch of the same layer and block into this slot
+        is taken instead of a second copy."""
+        if reuse_prefetch and self._prefetched.pop(slot, None) == (layer, cpu_block):
+            return
         stream = self.transfer_streams[slot]
         stream.wait_event(self.slot_compute_done[slot])
         stream.wait_event(self.offload_done[layer])
@@ -119,6 +124,17 @@ class OffloadEngine:
             self.v_slots[slot].copy_(self.v_cpu[layer, cpu_block], non_blocking=True)
             self.slot_ready[slot].record(stream)
         self.bytes_h2d += 2 * self.block_bytes
+
+    def prefetch_to_slot_layer(self, slot: int, layer: int, cpu_block: int):
+        """``load_to_slot_layer`` on behalf of the next attention call, before it starts; that
+        call takes it with ``reuse_prefetch=True`` if it wants the same block in the same slot."""
+        self.load_to_slot_layer(slot, layer, cpu_block)
+        self._prefetched[slot] = (layer, cpu_block)
+
+    def drop_prefetches(self):
+        """Forget prefetches the current call did not take (called once its first loads are
+        issued, at every step start and on reset; a stale entry must never match later)."""
+        self._prefetched.clear()
 
     def wait_slot_layer(self, slot: int):
         """Make the compute stream wait until ``slot``'s load has landed."""
@@ -190,4 +206,5 @@ class OffloadEngine:
     def reset(self):
         """Forget transfer counters (buffers are overwritten before they are read again)."""
         self.wait_all_offloads()
+        self.drop_prefetches()
         self.bytes_h2d = self.bytes_d2h = 0

@@ -45,7 +45,13 @@ class Attention(nn.Module):
         engine.store_decode_tokens(self.layer_id, batch.rows, batch.offsets, k, v)
         outs = []
         for i in range(q.size(0)):
-            ctx = PolicyContext(self.layer_id, batch.cpu_blocks[i], batch.block_lens[i], False,
-                                decode_row=batch.decode_rows[i], decode_len=batch.decode_lens[i])
-            outs.append(policy.compute_chunked_decode(q[i:i + 1], engine, ctx))
+            outs.append(policy.compute_chunked_decode(q[i:i + 1], engine, _decode_context(batch, i, self.layer_id)))
+            nxt, layer = (i + 1, self.layer_id) if i + 1 < q.size(0) else (0, self.layer_id + 1)
+            if layer < engine.num_layers:  # keep the copy engine busy through the rest of the layer
+                policy.prefetch_decode(engine, _decode_context(batch, nxt, layer))
         return torch.cat(outs)
+
+
+def _decode_context(batch: OffloadBatch, i: int, layer_id: int) -> PolicyContext:
+    return PolicyContext(layer_id, batch.cpu_blocks[i], batch.block_lens[i], False,
+                         decode_row=batch.decode_rows[i], decode_len=batch.decode_lens[i])

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.ops import apply_rotary
+
 
 def rope_parameters(hf_config) -> dict:
     """The RoPE settings of an HF config as one dict (transformers 4 and 5 spellings)."""
@@ -46,14 +48,9 @@ def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
-
-
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q ``[num_tokens, num_heads, head_dim]`` and k at absolute ``positions``.
+    """Applies RoPE to q ``[num_tokens, num_heads, head_dim]`` and k at absolute ``positions``
+    (one fused kernel on CUDA, see :func:`nanovllm.ops.apply_rotary`).
 
     Args:
         head_dim: rotary dimension (the full head dimension here).
@@ -68,5 +65,4 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.stack((freqs.cos(), freqs.sin())), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin_cache[:, positions].unsqueeze(-2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_sin_cache)

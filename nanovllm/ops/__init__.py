@@ -8,14 +8,21 @@ from .chunked_attention import (
     merge_attention_outputs_ref,
 )
 from .decode_attention import decode_attention, decode_attention_ref
+from .decode_merge import decode_attend_merge, decode_attend_merge_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
+from .rmsnorm import rms_norm, rms_norm_ref
+from .rotary import apply_rotary, apply_rotary_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
 from .xattn_estimate import block_density, xattn_block_scores, xattn_block_scores_ref, xattn_select_blocks
 
 __all__ = [
+    "apply_rotary",
+    "apply_rotary_ref",
     "block_density",
     "block_sparse_attention",
     "block_sparse_attention_ref",
+    "decode_attend_merge",
+    "decode_attend_merge_ref",
     "decode_attention",
     "decode_attention_ref",
     "flash_attn_with_lse",
@@ -25,6 +32,8 @@ __all__ = [
     "merge_attention_outputs_ref",
     "prefill_attention",
     "prefill_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "xattn_block_scores",

@@ -9,6 +9,10 @@ import torch
 from _gpu_util import assert_close
 
 from nanovllm.ops import (
+    apply_rotary,
+    apply_rotary_ref,
+    decode_attend_merge,
+    decode_attend_merge_ref,
     decode_attention,
     decode_attention_ref,
     flash_attn_with_lse,
@@ -17,6 +21,8 @@ from nanovllm.ops import (
     merge_attention_outputs_ref,
     prefill_attention,
     prefill_attention_ref,
+    rms_norm,
+    rms_norm_ref,
     store_kvcache,
     store_kvcache_ref,
 )
@@ -165,6 +171,49 @@ def test_decode_attention_forced_splits_and_dtypes(num_splits, dtype):
     ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, 128**-0.5)
     assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
     assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads_q,heads_kv,dim", [(32, 8, 128), (16, 8, 64), (20, 1, 80)])
+def test_decode_attend_merge_folds_ring_slots_like_the_reference(dtype, heads_q, heads_kv, dim):
+    """Blocks of 4096, 1 and 1000 keys read from ring-slot views, folded into one state."""
+    slots = torch.randn(2, 3, 4096, heads_kv, dim, device=DEVICE).to(dtype)
+    q = torch.randn(heads_q, dim, device=DEVICE).to(dtype)
+    states = []
+    for fold in (decode_attend_merge, decode_attend_merge_ref):
+        out = torch.zeros(heads_q, dim, device=DEVICE)
+        lse = torch.full((heads_q,), NEG_INF, device=DEVICE)
+        for slot, n in enumerate((4096, 1, 1000)):
+            fold(q, slots[0, slot, :n], slots[1, slot, :n], out, lse, dim**-0.5)
+        states.append((out, lse))
+    (out, lse), (ref_out, ref_lse) = states
+    assert_close(out, ref_out, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert_close(lse, ref_lse, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,dim", [(1, 1024), (300, 4096), (7, 576)])
+def test_rms_norm_matches_reference(dtype, tokens, dim):
+    x, res = torch.randn(tokens, dim, device=DEVICE).to(dtype), torch.randn(tokens, dim, device=DEVICE).to(dtype)
+    w = torch.randn(dim, device=DEVICE).to(dtype)
+    out, new_res = rms_norm(x, w, 1e-6, res)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    assert torch.equal(new_res, ref_res)
+    assert_close(out, ref_out, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    q = torch.randn(tokens, 48 * 128, device=DEVICE).to(dtype)[:, :32 * 128].view(tokens, 32, 128)
+    assert_close(rms_norm(q, w[:128], 1e-6), rms_norm_ref(q, w[:128], 1e-6), rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_matches_reference(dtype):
+    dim, tokens = 128, 333
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), 1.0 / (5e5 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim)))
+    cache = torch.stack((angles.cos(), angles.sin()))
+    qkv = torch.randn(tokens, 48 * dim, device=DEVICE).to(dtype)
+    q, k = qkv[:, :32 * dim].view(tokens, 32, dim), qkv[:, 32 * dim:40 * dim].view(tokens, 8, dim)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    for got, ref in zip(apply_rotary(positions, q, k, cache), apply_rotary_ref(positions, q, k, cache)):
+        assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_decode_attention_cuda_graph_replay():

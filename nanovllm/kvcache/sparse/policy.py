@@ -4,8 +4,15 @@ In offload mode an attention layer hands each prefill chunk and each decode step
 ``SparsePolicy``. The base class owns the pipeline, written once:
 
     select blocks -> load the first N into the N ring slots (one transfer stream each)
-    for each block: wait slot ready -> attend (non-causal, with LSE) -> record compute done
-                    -> load the block N ahead into the freed slot -> merge by log-sum-exp
+    for each block: wait slot ready -> fold the block into the running (out, lse) state
+                    -> record compute done -> load the block N ahead into the freed slot
+
+Folding is attention with LSE plus a log-sum-exp merge: for a prefill chunk two steps
+(``attend_block``, then ``merge_attention_outputs``), for a decode query one fused kernel
+(``decode_attend_merge``). In decode, a policy whose block choice does not depend on the query
+(``decode_selection_needs_query = False``) lets the layer prefetch the next call's first N blocks
+as soon as a call has issued its last load, so the copy engine keeps streaming across sequence
+and layer boundaries while the host runs the rest of the layer.
 
 A policy changes *which* blocks are loaded (``select_blocks``) and may keep metadata through the
 offload hooks; block-sparse prefill policies may also override the per-block attention.
@@ -16,7 +23,7 @@ from enum import Enum
 
 import torch
 
-from nanovllm.ops import flash_attn_with_lse, merge_attention_outputs
+from nanovllm.ops import decode_attend_merge, flash_attn_with_lse, merge_attention_outputs
 
 
 class SparsePolicyType(Enum):
@@ -71,6 +78,7 @@ class SparsePolicy(ABC):
 
     supports_prefill = True
     supports_decode = True
+    decode_selection_needs_query = False
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -106,7 +114,7 @@ class SparsePolicy(ABC):
                                        self.scale, causal=True)
         offload_engine.offload_prefill_buffer_async(ctx.layer_id, ctx.chunk_block, k.size(0))
         self.on_prefill_offload(ctx.chunk_block, ctx.layer_id, k_buf, k.size(0))
-        out, lse = self._attend_cpu_blocks(q.unsqueeze(0), out, lse, offload_engine, ctx)
+        out, lse = self._attend_cpu_blocks(q.unsqueeze(0), (out, lse), offload_engine, ctx)
         return out.squeeze(0)
 
     def compute_chunked_decode(self, q, offload_engine, ctx: PolicyContext) -> torch.Tensor:
@@ -114,28 +122,49 @@ class SparsePolicy(ABC):
         included) plus the selected offloaded blocks, merged by LSE."""
         if not self.supports_decode:
             raise RuntimeError(f"{type(self).__name__} does not support decode")
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         k_buf, v_buf = offload_engine.decode_buffer(ctx.layer_id, ctx.decode_row, ctx.decode_len)
-        out, lse = flash_attn_with_lse(q.unsqueeze(0), k_buf.unsqueeze(0), v_buf.unsqueeze(0),
-                                       self.scale, causal=False)
-        out, lse = self._attend_cpu_blocks(q.unsqueeze(0), out, lse, offload_engine, ctx)
-        return out.squeeze(0)
+        decode_attend_merge(q[0], k_buf, v_buf, out[0], lse[0], self.scale)
+        self._attend_cpu_blocks(q.unsqueeze(0), (out[0], lse[0]), offload_engine, ctx)
+        return out.to(q.dtype)
 
-    def _attend_cpu_blocks(self, q, out, lse, engine, ctx: PolicyContext):
-        """N-way pipeline over the selected CPU blocks (N = ring slots), merged into (out, lse)."""
+    def prefetch_decode(self, offload_engine, ctx: PolicyContext) -> None:
+        """Start loading the first N blocks of the decode call described by ``ctx`` before its
+        query exists (only when the block choice does not depend on the query)."""
+        if self.decode_selection_needs_query:
+            return
+        chosen = self.select_blocks(list(range(len(ctx.cpu_blocks))), offload_engine, ctx, None)
+        for slot in range(min(offload_engine.num_slots, len(chosen))):
+            offload_engine.prefetch_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[slot]])
+
+    def _attend_cpu_blocks(self, q, state, engine, ctx: PolicyContext):
+        """N-way pipeline over the selected CPU blocks (N = ring slots), folded into ``state``
+        (``(out, lse)``; see ``_fold_block``). Returns the final state."""
         chosen = self.select_blocks(list(range(len(ctx.cpu_blocks))), engine, ctx, q)
         slots = engine.num_slots
         for i in range(min(slots, len(chosen))):
-            engine.load_to_slot_layer(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]])
+            engine.load_to_slot_layer(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]], reuse_prefetch=True)
+        engine.drop_prefetches()
         for i, index in enumerate(chosen):
             slot = i % slots
             engine.wait_slot_layer(slot)
             k, v = engine.get_kv_for_slot(slot, ctx.block_lens[index])
-            o_blk, lse_blk = self.attend_block(q, k, v, ctx, index)
+            state = self._fold_block(q, k, v, state, ctx, index)
             engine.record_slot_compute_done(slot)
             if i + slots < len(chosen):
                 engine.load_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[i + slots]])
-            out, lse = merge_attention_outputs(out, lse, o_blk, lse_blk)
-        return out, lse
+        return state
+
+    def _fold_block(self, q, k, v, state, ctx: PolicyContext, index: int):
+        """Prefill: ``attend_block`` then an LSE merge into ``state`` (``[1, Sq, Hq, D]``,
+        ``[1, Hq, Sq]``). Decode: the fused in-place kernel on ``state`` (float32 ``[Hq, D]``,
+        ``[Hq]``)."""
+        if ctx.is_prefill:
+            o_blk, lse_blk = self.attend_block(q, k, v, ctx, index)
+            return merge_attention_outputs(*state, o_blk, lse_blk)
+        decode_attend_merge(q[0, 0], k, v, *state, self.scale)
+        return state
 
     def attend_block(self, q, k, v, ctx: PolicyContext, index: int):
         """Non-causal attention of q ``[1, Sq, Hq, D]`` over one loaded block ``[Sk, Hkv, D]``."""

@@ -1,0 +1,152 @@
+"""One decode query over one chunk of keys, folded into a running attention state in place.
+
+Offload-mode decode reads a sequence's KV block by block through the GPU ring buffer. Instead of
+computing each block's partial output and LSE and then merging them (three or more launches and
+two temporaries per block), one kernel per block runs FlashAttention-2's online softmax over the
+block (Dao, 2023) and folds the result into the running ``(out, lse)`` state with the
+log-sum-exp rescaling of Flash-Decoding's split-K reduction. The host work per block is one
+launch, which keeps the host ahead of the copy engine.
+"""
+
+import torch
+
+from ._triton import block_dim, check_gqa, check_head_dim, tl, triton, use_triton
+from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
+
+_BLOCK_G = 16
+"""q heads per program (a GQA group padded to 16, tl.dot's minimum)."""
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+_LOG2E = 1.4426950408889634
+
+
+def _check_args(q, k, v, out, lse) -> None:
+    if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape or q.shape[1] != k.shape[2]:
+        raise ValueError(f"expected q [Hq, D] and k, v [Sk, Hkv, D] with one D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_gqa(q.shape[0], k.shape[1])
+    check_head_dim(q.shape[1])
+    if out.shape != q.shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
+    if lse.shape != (q.shape[0],) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 [{q.shape[0]}]; got {lse.dtype} {tuple(lse.shape)}")
+
+
+def decode_attend_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, softmax_scale: float) -> None:
+    """Reference of :func:`decode_attend_merge` (same arguments and effect): attention through
+    :func:`flash_attn_with_lse_ref`, then :func:`merge_attention_outputs_ref`."""
+    _check_args(q, k, v, out, lse)
+    if k.shape[0] == 0:
+        return
+    o_blk, lse_blk = flash_attn_with_lse_ref(q[None, None], k[None], v[None], softmax_scale, False)
+    merged, merged_lse = merge_attention_outputs_ref(out[None, None], lse[None, :, None],
+                                                     o_blk.float(), lse_blk)
+    out.copy_(merged[0, 0])
+    lse.copy_(merged_lse[0, :, 0])
+
+
+@triton.jit
+def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2, stride_kn, stride_vn,
+          BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < num_keys
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attend_merge_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, num_keys, scale_log2,
+    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    g_mask, d_mask = g < GROUP, d < HEAD_DIM
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    # The interpreter cannot take a tensor bound in range(); compiled kernels keep the for loop.
+    if WHILE_LOOP:
+        n0 = 0
+        while n0 < num_keys:
+            m_i, l_i, acc = _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
+                                  stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, num_keys, BLOCK_N):
+            m_i, l_i, acc = _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
+                                  stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
+    # Fold (acc / l_i, lse_blk) into the running state; num_keys >= 1, so lse_blk is finite.
+    lse_blk = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    lse_old = tl.load(lse_ptr + heads, mask=g_mask, other=float("-inf"))
+    lse_new = tl.maximum(lse_old, lse_blk) + tl.log(1.0 + tl.exp(-tl.abs(lse_old - lse_blk)))
+    w_old = tl.exp(lse_old - lse_new)
+    w_blk = tl.exp(lse_blk - lse_new) / l_i
+    o_ptrs = out_ptr + heads[:, None] * stride_oh + d[None, :]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, o_old * w_old[:, None] + acc * w_blk[:, None], mask=o_mask)
+    tl.store(lse_ptr + heads, lse_new, mask=g_mask)
+
+
+def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, softmax_scale: float) -> None:
+    """Fold attention of one query over one chunk of keys into a running state, in place.
+
+    After the call ``(out, lse)`` is the attention state over the keys seen before plus ``k``:
+    ``lse' = log(exp(lse) + exp(lse_chunk))`` and ``out' = out * exp(lse - lse') + out_chunk *
+    exp(lse_chunk - lse')`` (the LSE merge of :func:`merge_attention_outputs`). Start from
+    ``out = 0`` and ``lse = -inf`` (no keys yet).
+
+    Args:
+        q: ``[Hq, D]``, the query of one sequence, float16/bfloat16/float32, ``1 <= D <= 256``.
+        k, v: ``[Sk, Hkv, D]`` (token rows may be strided, head_dim contiguous), ``Hq % Hkv == 0``
+            (GQA: q head h uses kv head ``h // (Hq // Hkv)``), q's dtype. ``Sk == 0`` is a no-op.
+        out: float32 ``[Hq, D]``, the running normalised output (updated in place).
+        lse: float32 ``[Hq]``, its natural-log log-sum-exp (updated in place; -inf = empty).
+        softmax_scale: multiplies q.k before the softmax.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree, Hq not a multiple of Hkv, D outside 1..256.
+
+    CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles. CPU:
+    :func:`decode_attend_merge_ref` (or the kernel under the Triton interpreter).
+    """
+    _check_args(q, k, v, out, lse)
+    if k.shape[0] == 0:
+        return
+    if q.dtype == torch.float64 or not use_triton(q):
+        decode_attend_merge_ref(q, k, v, out, lse, softmax_scale)
+        return
+    heads_q, dim = q.shape
+    heads_kv = k.shape[1]
+    group = heads_q // heads_kv
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    block_d = block_dim(dim)
+    _decode_attend_merge_kernel[(heads_kv, triton.cdiv(group, _BLOCK_G))](
+        q, k, v, out, lse, k.shape[0], softmax_scale * _LOG2E,
+        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N if block_d <= 128 else _BLOCK_N // 2,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )

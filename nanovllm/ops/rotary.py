@@ -1,0 +1,97 @@
+"""Rotary position embedding (Su et al., RoFormer 2021) of q and k in one launch.
+
+The rotation uses the "rotate half" layout of Llama/Qwen checkpoints: with ``x = [x1, x2]``
+split in halves of the head dimension, ``x' = [x1 cos - x2 sin, x2 cos + x1 sin]``, computed in
+float32 from a float32 cos/sin table and rounded once to the input dtype.
+"""
+
+import torch
+
+from ._triton import next_pow2, tl, triton, use_triton
+
+
+def _check_args(positions, q, k, cos_sin_cache) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"expected q [N, Hq, D] and k [N, Hkv, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions must be [N={q.shape[0]}]; got {tuple(positions.shape)}")
+    if q.shape[2] % 2 or cos_sin_cache.dim() != 3 or cos_sin_cache.shape[::2] != (2, q.shape[2] // 2):
+        raise ValueError(f"expected an even head_dim and cos_sin_cache [2, max_position, D/2]; got D={q.shape[2]}, "
+                         f"cache {tuple(cos_sin_cache.shape)}")
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`apply_rotary` (same arguments and results)."""
+    _check_args(positions, q, k, cos_sin_cache)
+    cos, sin = cos_sin_cache[:, positions].unsqueeze(-2)
+    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, t, num_heads, stride_t, stride_h, cos, sin, half,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_heads)[:, None] & (d < half)[None, :]
+    src = x_ptr + t * stride_t + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    dst = out_ptr + t * num_heads * 2 * half + h[:, None] * 2 * half + d[None, :]
+    tl.store(dst, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + half, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr, heads_q, heads_kv, half,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache_kind, stride_cache_pos,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    row = cache_ptr + pos * stride_cache_pos + d
+    cos = tl.load(row, mask=d < half, other=0.0)[None, :]
+    sin = tl.load(row + stride_cache_kind, mask=d < half, other=0.0)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, t, heads_q, stride_qt, stride_qh, cos, sin, half, BLOCK_HQ, BLOCK_D)
+    _rotate_heads(k_ptr, k_out_ptr, t, heads_kv, stride_kt, stride_kh, cos, sin, half, BLOCK_HK, BLOCK_D)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k at ``positions``.
+
+    Args:
+        positions: int64 ``[N]`` absolute positions, each below ``max_position``.
+        q: ``[N, Hq, D]``; k: ``[N, Hkv, D]`` (token and head strides free, D contiguous, D even);
+            float16/bfloat16/float32.
+        cos_sin_cache: float32 ``[2, max_position, D/2]``: cos and sin of ``position * inv_freq``.
+
+    Returns:
+        ``(q', k')``, contiguous, in the input dtypes.
+
+    Raises:
+        ValueError: shapes that disagree or an odd head_dim. Positions are not range-checked on
+        the device.
+
+    CUDA: one Triton program per token rotates all of its q and k heads. CPU: :func:`apply_rotary_ref`.
+    """
+    _check_args(positions, q, k, cos_sin_cache)
+    if not use_triton(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        return apply_rotary_ref(positions, q, k, cos_sin_cache)
+    tokens, heads_q, dim = q.shape
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        _rotary_kernel[(tokens,)](
+            positions, q, k, cos_sin_cache, q_out, k_out, heads_q, k.shape[1], dim // 2,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+            BLOCK_HQ=next_pow2(heads_q), BLOCK_HK=next_pow2(k.shape[1]), BLOCK_D=next_pow2(dim // 2), num_warps=4,
+        )
+    return q_out, k_out
