@@ -47,7 +47,8 @@ def run_one(args, offload: bool) -> dict:
     if offload:
         kwargs.update(enable_cpu_offload=True, num_gpu_blocks=args.num_gpu_blocks,
                       num_cpu_kvcache_blocks=-(-kwargs["max_model_len"] // args.block_size),
-                      sparse_policy=args.sparse_policy)
+                      sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
+                      sparse_threshold_blocks=args.sparse_threshold_blocks)
     else:
         kwargs.update(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(args.model, **kwargs)
@@ -97,6 +98,8 @@ def main():
     parser.add_argument("--num-gpu-blocks", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="GPU-only chunk")
     parser.add_argument("--sparse-policy", default="FULL")
+    parser.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score")
+    parser.add_argument("--sparse-threshold-blocks", type=int, default=4, help="QUEST: select above this many")
     parser.add_argument("--modes", default="gpu,offload")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")

@@ -1,0 +1,97 @@
+"""Offload exactness on the GPU: random-weight Llama-3.1-8B shape (32 layers), bf16.
+
+Greedy tokens of offload mode (2 and 4 ring slots, blocks of 1,024 and 4,096 tokens) must equal
+GPU-only mode for 64 decode steps after prompts of about 8K, 32K and 128K tokens whose lengths
+are not block multiples; 20 repeated 32K runs (16 decode steps) with 2 slots must all be identical. Slow (about
+six minutes on the H200); run it on the device:
+
+    python -m pytest tests/gpu/test_offload_gpu.py -q
+"""
+import gc
+import os
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = {"8k": 8192 + 123, "32k": 32768 - 77, "128k": 131072 - 1100}
+DECODE_STEPS = 64
+MAX_MODEL_LEN = 131072
+REPEATS = 20
+REPEAT_STEPS = 16
+
+
+def _prompt(length: int) -> list[int]:
+    g = torch.Generator().manual_seed(length)
+    return torch.randint(1, 30000, (length,), generator=g).tolist()
+
+
+def _greedy(llm: LLM, prompt: list[int], steps: int = DECODE_STEPS) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
+    return make_random_checkpoint("llama-3.1-8b", os.path.join(cache, "random-llama-3.1-8b"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """GPU-only greedy tokens of every prompt, each run alone."""
+    with LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1) as llm:
+        tokens = {name: _greedy(llm, _prompt(n)) for name, n in LENGTHS.items()}
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
+_engines: dict = {}
+
+
+def _offload_llm(model_dir, slots: int, block: int) -> LLM:
+    """One offload engine at a time (the previous one is shut down first)."""
+    key = (slots, block)
+    if key not in _engines:
+        for llm in _engines.values():
+            llm.shutdown()
+        _engines.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        _engines[key] = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enable_cpu_offload=True,
+                            num_gpu_blocks=slots, kvcache_block_size=block,
+                            num_cpu_kvcache_blocks=-(-MAX_MODEL_LEN // block))
+    return _engines[key]
+
+
+CASES = [(slots, block, length) for slots in (2, 4) for block in (1024, 4096) for length in LENGTHS]
+"""Grouped by engine configuration, so each offload engine is built once."""
+
+
+@pytest.mark.parametrize("slots,block,length", CASES)
+def test_offload_tokens_equal_gpu_only(model_dir, reference, slots, block, length):
+    llm = _offload_llm(model_dir, slots, block)
+    tokens = _greedy(llm, _prompt(LENGTHS[length]))
+    assert tokens == reference[length], _divergence(llm, _prompt(LENGTHS[length]), tokens, reference[length])
+
+
+def _divergence(llm, prompt, tokens, ref) -> str:
+    """Where two greedy runs part, and how close the two tokens' logits were there (full
+    forward pass over the common prefix, no KV cache)."""
+    step = next(i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b)
+    logits = llm.model_runner.forward_logits(prompt + ref[:step])[-1]
+    top2 = logits.topk(2)
+    return (f"first differing decode step {step}: offload {tokens[step]} (logit {logits[tokens[step]]:.4f}), "
+            f"GPU-only {ref[step]} (logit {logits[ref[step]]:.4f}); top-2 logits {top2.values.tolist()}")
+
+
+def test_repeated_32k_runs_are_identical(model_dir, reference):
+    llm = _offload_llm(model_dir, 2, 4096)
+    runs = [_greedy(llm, _prompt(LENGTHS["32k"]), REPEAT_STEPS) for _ in range(REPEATS)]
+    assert all(run == runs[0] for run in runs)
+    assert runs[0] == reference["32k"][:REPEAT_STEPS]
