@@ -25,7 +25,7 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
+def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"expected q [Sq, Hq, D] and k [Sk, Hkv, D] with one D; got q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -34,10 +34,38 @@ def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_si
     check_head_dim(q.shape[2])
     if not _is_pow2(stride) or stride > 64:
         raise ValueError(f"stride={stride} must be a power of two in 1..64")
+
+
+def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
+    _check_qk(q, k, stride)
     if not _is_pow2(block_size) or block_size < stride or block_size > 1024:
         raise ValueError(
             f"block_size={block_size} must be a power of two in stride={stride}..1024"
         )
+
+
+def _strided_layout(q: torch.Tensor, k: torch.Tensor, stride: int, causal: bool, offset: int):
+    """Torch form of steps 1-2 of :func:`xattn_block_scores` for the references:
+    ``(q_str [Hq, n_qs, S*D], k_str [Hkv, n_ks, S*D], visible bool [n_qs, n_ks])`` in float32
+    (float64 inputs: float64), with query row 0 at key position ``offset``."""
+    seq_q, heads_q, dim = q.shape
+    seq_k, heads_kv = k.shape[0], k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
+    q_pad = torch.zeros((n_qs * stride, heads_q, dim), dtype=dtype, device=q.device)
+    q_pad[:seq_q] = q
+    k_pad = torch.zeros((n_ks * stride, heads_kv, dim), dtype=dtype, device=q.device)
+    k_pad[:seq_k] = k
+    # Q'[h, r] = concat_i q[r*stride + stride-1-i, h]; K'[g, j] = concat_i k[j*stride + i, g].
+    q_str = q_pad.view(n_qs, stride, heads_q, dim).flip(1).permute(2, 0, 1, 3).reshape(heads_q, n_qs, stride * dim)
+    k_str = k_pad.view(n_ks, stride, heads_kv, dim).permute(2, 0, 1, 3).reshape(heads_kv, n_ks, stride * dim)
+    rows = torch.arange(n_qs, device=q.device)
+    cols = torch.arange(n_ks, device=q.device)
+    if causal:
+        visible = cols[None, :] * stride <= offset + rows[:, None] * stride + stride - 1
+    else:
+        visible = torch.ones((n_qs, n_ks), dtype=torch.bool, device=q.device)
+    return q_str, k_str, visible
 
 
 def xattn_block_scores_ref(
@@ -63,33 +91,22 @@ def xattn_block_scores_ref(
     out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     if seq_q == 0 or seq_k == 0:
         return out
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
-    q_pad = torch.zeros((n_qs * stride, heads_q, dim), dtype=dtype, device=q.device)
-    q_pad[:seq_q] = q
-    k_pad = torch.zeros((n_ks * stride, heads_kv, dim), dtype=dtype, device=q.device)
-    k_pad[:seq_k] = k
-    # Q'[h, r] = concat_i q[r*stride + stride-1-i, h]; K'[g, j] = concat_i k[j*stride + i, g].
-    q_str = q_pad.view(n_qs, stride, heads_q, dim).flip(1).permute(2, 0, 1, 3).reshape(heads_q, n_qs, stride * dim)
-    k_str = k_pad.view(n_ks, stride, heads_kv, dim).permute(2, 0, 1, 3).reshape(heads_kv, n_ks, stride * dim)
-    rows = torch.arange(n_qs, device=q.device)
-    cols = torch.arange(n_ks, device=q.device)
-    if causal:
-        visible = cols[None, :] * stride <= (seq_k - seq_q) + rows[:, None] * stride + stride - 1
-    else:
-        visible = torch.ones((n_qs, n_ks), dtype=torch.bool, device=q.device)
+    q_str, k_str, visible = _strided_layout(q, k, stride, causal, seq_k - seq_q)
+    n_qs, n_ks = visible.shape
     any_visible = visible.any(-1, keepdim=True)
     for h in range(heads_q):
         scores = (q_str[h] @ k_str[h // group].T) * (scale / stride)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.where(any_visible, torch.softmax(scores, dim=-1), 0.0)
-        padded = torch.zeros((n_q * tile, n_k * tile), dtype=dtype, device=q.device)
+        padded = torch.zeros((n_q * tile, n_k * tile), dtype=q_str.dtype, device=q.device)
         padded[:n_qs, :n_ks] = probs
         out[h] = padded.view(n_q, tile, n_k, tile).sum(dim=(1, 3)).float()
-    return _normalise_rows(out)
+    return normalise_block_rows(out)
 
 
-def _normalise_rows(scores: torch.Tensor) -> torch.Tensor:
+def normalise_block_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Each row ``scores[..., qb, :]`` divided by its sum (rows summing to 0 stay 0): step 5 of
+    :func:`xattn_block_scores`, for block sums assembled from pieces."""
     total = scores.sum(-1, keepdim=True)
     return torch.where(total > 0, scores / torch.where(total > 0, total, 1.0), 0.0)
 
@@ -241,42 +258,67 @@ def _xattn_block_sum_kernel(
                             stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
 
 
-def _estimate_triton(q, k, stride, block_size, scale, causal):
-    seq_q, heads_q, dim = q.shape
-    seq_k, heads_kv = k.shape[0], k.shape[1]
+def _launch_config(q, stride, block_size, causal) -> dict:
+    """Constexprs and launch options shared by the two passes. Tiles of strided rows/keys are
+    multiples of TILE = block_size // stride, so a program owns whole blocks."""
+    block_d = block_dim(q.shape[2])
     tile = block_size // stride
-    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
-    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
-    out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
-    if seq_q == 0 or seq_k == 0:
-        return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    block_d = block_dim(dim)
-    # Tiles of strided rows/keys; both multiples of TILE so a program owns whole blocks.
-    block_m = max(128 if block_d <= 128 else 64, tile)
-    block_n = max(64, tile)
     warps, stages = (8, 3) if block_d <= 128 else (8, 2)
-    m_buf = torch.empty((heads_q, n_qs), dtype=torch.float32, device=q.device)
-    l_buf = torch.empty_like(m_buf)
-    grid = (cdiv(n_qs, block_m), heads_q)
-    common = dict(
-        GROUP=heads_q // heads_kv, HEAD_DIM=dim, BLOCK_D=block_d, STRIDE=stride, BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    return dict(
+        HEAD_DIM=q.shape[2], BLOCK_D=block_d, STRIDE=stride, BLOCK_M=max(128 if block_d <= 128 else 64, tile),
+        BLOCK_N=max(64, tile), CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHILE_LOOP=not q.is_cuda, num_warps=warps, num_stages=stages,
     )
-    scale_log2 = scale / stride * _LOG2E
-    offset = seq_k - seq_q
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_row_stats(q, k, stride, block_size, scale, causal, offset):
+    """Pass 1 on the device: (m, l) float32 ``[Hq, ceil(Sq/stride)]``, m in log2 units."""
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    n_qs, n_ks = cdiv(q.shape[0], stride), cdiv(k.shape[0], stride)
+    m_buf = torch.empty((q.shape[1], n_qs), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    config = _launch_config(q, stride, block_size, causal)
+    grid = (cdiv(n_qs, config["BLOCK_M"]), q.shape[1])
     _xattn_stats_kernel[grid](
-        q, k, m_buf, l_buf, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), **common,
+        q, k, m_buf, l_buf, q.shape[0], k.shape[0], n_qs, n_ks, offset, scale / stride * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0),
+        GROUP=q.shape[1] // k.shape[1], **config,
     )
-    _xattn_block_sum_kernel[grid](
-        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale_log2,
+    return m_buf, l_buf
+
+
+def _launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, offset):
+    """Pass 2 on the device: float32 ``[Hq, nQ, nK]`` probabilities (normalised with (m, l) of
+    pass 1, m in log2 units) summed per block, rows not normalised."""
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    seq_q, seq_k = q.shape[0], k.shape[0]
+    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
+    out = torch.zeros((q.shape[1], n_q, n_k), dtype=torch.float32, device=q.device)
+    if seq_q == 0 or seq_k == 0:
+        return out
+    m_buf, l_buf = m_buf.contiguous(), l_buf.contiguous()
+    config = _launch_config(q, stride, block_size, causal)
+    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
+    _xattn_block_sum_kernel[(cdiv(n_qs, config["BLOCK_M"]), q.shape[1])](
+        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale / stride * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
-        TILE=tile, **common,
+        GROUP=q.shape[1] // k.shape[1], TILE=block_size // stride, **config,
     )
-    return _normalise_rows(out)
+    return out
+
+
+def _estimate_triton(q, k, stride, block_size, scale, causal):
+    heads_q = q.shape[1]
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros((heads_q, cdiv(q.shape[0], block_size), cdiv(k.shape[0], block_size)),
+                           dtype=torch.float32, device=q.device)
+    offset = k.shape[0] - q.shape[0]
+    m_buf, l_buf = _launch_row_stats(q, k, stride, block_size, scale, causal, offset)
+    return normalise_block_rows(_launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, offset))
 
 
 def xattn_block_scores(
