@@ -186,6 +186,34 @@ class LLMEngine:
         bar.close()
         return results
 
+    # ---- sparse-attention statistics ---------------------------------------------------
+    def get_sparse_stats(self) -> dict:
+        """Densities of the sparse policy since the engine started or the last
+        :meth:`reset_sparse_stats`, as plain Python numbers::
+
+            {"policy": "XATTN_BSA",
+             "prefill": {"density", "comm_density", "kept_blocks", "visible_blocks",
+                         "loaded_cpu_blocks", "available_cpu_blocks", "estimate_k_loads",
+                         "per_layer": [{"layer", "density", "comm_density"}, ...]},
+             "decode": {"comm_density", "loaded_cpu_blocks", "available_cpu_blocks",
+                        "per_layer": [{"layer", "comm_density"}, ...]}}
+
+        ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens) over
+        heads and query blocks; 1.0 for policies whose prefill is dense (FULL, QUEST).
+        ``comm_density``: CPU blocks loaded with keys and values / CPU blocks available (offload
+        mode; None in GPU-only mode or before any CPU block was available). XAttention's offload
+        estimation also loads every available block's keys twice (``estimate_k_loads``).
+        Reading syncs with the device once per layer; counting never does. With
+        ``tensor_parallel_size > 1`` these are rank 0's counts (its share of the heads).
+        """
+        self._check_open()
+        return {"policy": self.config.sparse_policy.value, **self.model_runner.policy.sparse_stats()}
+
+    def reset_sparse_stats(self) -> None:
+        """Zero the counts behind :meth:`get_sparse_stats`."""
+        self._check_open()
+        self.model_runner.policy.stats.reset()
+
     def shutdown(self):
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
         collected and at interpreter exit); the engine cannot be used after."""

@@ -67,9 +67,12 @@ class ModelRunner:
         return model.eval()
 
     def setup(self):
-        """Size and bind the KV cache, then capture decode CUDA graphs (all ranks)."""
+        """Bind the sparse policy, size and bind the KV cache, then capture decode CUDA graphs
+        (all ranks)."""
+        self._bind_policy()
         if self.device.type == "cuda":
             self._warmup()
+            self.policy.stats.reset()
         if self.config.enable_cpu_offload:
             self.allocate_offload()
             return
@@ -138,6 +141,15 @@ class ModelRunner:
     def _attention_layers(self) -> list[torch.nn.Module]:
         return [m for m in self.model.modules() if hasattr(m, "k_cache")]
 
+    def _bind_policy(self):
+        """The sparse policy of ``config.sparse_policy``, bound to every attention layer: offload
+        mode runs its chunked pipeline, GPU-only mode its prefill attention (bound before the
+        warm-up, so that its kernels and buffers are part of the measured peak)."""
+        layers = self._attention_layers()
+        self.policy = create_policy(self.config, layers[0].scale)
+        for i, module in enumerate(layers):
+            module.layer_id, module.policy = i, self.policy
+
     def allocate_offload(self):
         """Host KV blocks, GPU ring buffer and decode rows of offload mode, bound to every layer."""
         cfg, layers = self.config, self._attention_layers()
@@ -151,10 +163,9 @@ class ModelRunner:
         self.offload_engine = OffloadEngine(
             len(layers), layer.num_kv_heads, layer.head_dim, cfg.dtype, self.device,
             self.block_size, num_cpu_blocks, cfg.num_gpu_blocks, self.num_decode_rows)
-        self.policy = create_policy(cfg, layer.scale)
         self.policy.initialize(self.offload_engine)
-        for i, module in enumerate(layers):
-            module.layer_id, module.offload_engine, module.policy = i, self.offload_engine, self.policy
+        for module in layers:
+            module.offload_engine = self.offload_engine
         self.num_kv_blocks = num_cpu_blocks
         if self.device.type == "cuda":
             self.compute_stream = torch.cuda.Stream(self.device)

@@ -125,6 +125,21 @@ class OffloadEngine:
             self.slot_ready[slot].record(stream)
         self.bytes_h2d += 2 * self.block_bytes
 
+    def load_k_to_slot_layer(self, slot: int, layer: int, cpu_block: int, reuse_prefetch: bool = False):
+        """As :meth:`load_to_slot_layer` but keys only (estimation passes): the slot's values are
+        left as they were and must not be read. ``reuse_prefetch`` takes a pending prefetch of the
+        same layer and block (it holds the keys too)."""
+        if reuse_prefetch and self._prefetched.pop(slot, None) == (layer, cpu_block):
+            return
+        stream = self.transfer_streams[slot]
+        stream.wait_event(self.slot_compute_done[slot])
+        stream.wait_event(self.offload_done[layer])
+        stream.wait_event(self.decode_offload_done)
+        with self._stream_ctx(stream):
+            self.k_slots[slot].copy_(self.k_cpu[layer, cpu_block], non_blocking=True)
+            self.slot_ready[slot].record(stream)
+        self.bytes_h2d += self.block_bytes
+
     def prefetch_to_slot_layer(self, slot: int, layer: int, cpu_block: int):
         """``load_to_slot_layer`` on behalf of the next attention call, before it starts; that
         call takes it with ``reuse_prefetch=True`` if it wants the same block in the same slot."""

@@ -2,8 +2,10 @@
 
 GPU-only mode: the model runner binds ``k_cache`` / ``v_cache`` (``[num_blocks, block_size,
 num_kv_heads, head_dim]`` views) to every layer; until then the layer attends without a cache
-(warm-up, scoring). Offload mode: the runner binds the ``OffloadEngine`` and the sparse policy,
-and each prefill chunk / decode step goes to the policy's chunked pipeline.
+(warm-up, scoring). The runner also binds the sparse policy, whose ``paged_prefill_attention``
+computes prefill (dense, or XAttention's block-sparse prefill). Offload mode: the runner binds the
+``OffloadEngine`` and the sparse policy, and each prefill chunk / decode step goes to the policy's
+chunked pipeline.
 """
 import torch
 from torch import nn
@@ -30,6 +32,8 @@ class Attention(nn.Module):
             return self._offload_forward(q, k, v, ctx.is_prefill, ctx.offload)
         if self.k_cache.numel() > 0 and ctx.slot_mapping is not None:
             store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill and self.policy is not None:
+            return self.policy.paged_prefill_attention(q, k, v, ctx, self.k_cache, self.v_cache, self.layer_id)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale,
                                      self.k_cache, self.v_cache, ctx.block_tables)

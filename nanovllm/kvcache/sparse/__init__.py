@@ -2,6 +2,7 @@
 from nanovllm.kvcache.sparse.full_policy import FullAttentionPolicy
 from nanovllm.kvcache.sparse.policy import PolicyContext, SparsePolicy, SparsePolicyType
 from nanovllm.kvcache.sparse.quest_policy import QuestPolicy
+from nanovllm.kvcache.sparse.stats import SparseStats
 
 
 def create_policy(config, scale: float) -> SparsePolicy:
@@ -20,4 +21,4 @@ def create_policy(config, scale: float) -> SparsePolicy:
 
 
 __all__ = ["FullAttentionPolicy", "PolicyContext", "QuestPolicy", "SparsePolicy", "SparsePolicyType",
-           "create_policy"]
+           "SparseStats", "create_policy"]

@@ -23,7 +23,8 @@ from enum import Enum
 
 import torch
 
-from nanovllm.ops import decode_attend_merge, flash_attn_with_lse, merge_attention_outputs
+from nanovllm.kvcache.sparse.stats import SparseStats
+from nanovllm.ops import decode_attend_merge, flash_attn_with_lse, merge_attention_outputs, prefill_attention
 
 
 class SparsePolicyType(Enum):
@@ -79,9 +80,12 @@ class SparsePolicy(ABC):
     supports_prefill = True
     supports_decode = True
     decode_selection_needs_query = False
+    dense_prefill = True
+    """Prefill attends to every causally visible key (compute density 1.0, not counted)."""
 
     def __init__(self, scale: float):
         self.scale = scale
+        self.stats = SparseStats()
 
     # ---- hooks -------------------------------------------------------------------------
     def initialize(self, offload_engine) -> None:
@@ -110,8 +114,7 @@ class SparsePolicy(ABC):
         if not self.supports_prefill:
             raise RuntimeError(f"{type(self).__name__} does not support prefill")
         k_buf, v_buf = offload_engine.write_prefill_buffer(ctx.layer_id, k, v)
-        out, lse = flash_attn_with_lse(q.unsqueeze(0), k_buf.unsqueeze(0), v_buf.unsqueeze(0),
-                                       self.scale, causal=True)
+        out, lse = self.attend_chunk(q.unsqueeze(0), k_buf, v_buf, offload_engine, ctx)
         offload_engine.offload_prefill_buffer_async(ctx.layer_id, ctx.chunk_block, k.size(0))
         self.on_prefill_offload(ctx.chunk_block, ctx.layer_id, k_buf, k.size(0))
         out, lse = self._attend_cpu_blocks(q.unsqueeze(0), (out, lse), offload_engine, ctx)
@@ -138,22 +141,33 @@ class SparsePolicy(ABC):
         for slot in range(min(offload_engine.num_slots, len(chosen))):
             offload_engine.prefetch_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[slot]])
 
-    def _attend_cpu_blocks(self, q, state, engine, ctx: PolicyContext):
+    def _attend_cpu_blocks(self, q, state, engine, ctx: PolicyContext, visit=None):
         """N-way pipeline over the selected CPU blocks (N = ring slots), folded into ``state``
-        (``(out, lse)``; see ``_fold_block``). Returns the final state."""
-        chosen = self.select_blocks(list(range(len(ctx.cpu_blocks))), engine, ctx, q)
+        (``(out, lse)``; see ``_fold_block``). Returns the final state.
+
+        ``visit``: for estimation passes, a callable ``visit(k, index)`` that gets the keys
+        ``[block_len, Hkv, D]`` of *every* CPU block, loaded without their values, instead of
+        folding; ``state`` comes back unchanged."""
+        available = list(range(len(ctx.cpu_blocks)))
+        chosen = self.select_blocks(available, engine, ctx, q) if visit is None else available
+        if visit is None:
+            self.stats.add_comm(ctx.layer_id, ctx.is_prefill, len(chosen), len(available))
+        load = engine.load_to_slot_layer if visit is None else engine.load_k_to_slot_layer
         slots = engine.num_slots
         for i in range(min(slots, len(chosen))):
-            engine.load_to_slot_layer(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]], reuse_prefetch=True)
+            load(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]], reuse_prefetch=True)
         engine.drop_prefetches()
         for i, index in enumerate(chosen):
             slot = i % slots
             engine.wait_slot_layer(slot)
             k, v = engine.get_kv_for_slot(slot, ctx.block_lens[index])
-            state = self._fold_block(q, k, v, state, ctx, index)
+            if visit is None:
+                state = self._fold_block(q, k, v, state, ctx, index)
+            else:
+                visit(k, index)
             engine.record_slot_compute_done(slot)
             if i + slots < len(chosen):
-                engine.load_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[i + slots]])
+                load(slot, ctx.layer_id, ctx.cpu_blocks[chosen[i + slots]])
         return state
 
     def _fold_block(self, q, k, v, state, ctx: PolicyContext, index: int):
@@ -169,3 +183,22 @@ class SparsePolicy(ABC):
     def attend_block(self, q, k, v, ctx: PolicyContext, index: int):
         """Non-causal attention of q ``[1, Sq, Hq, D]`` over one loaded block ``[Sk, Hkv, D]``."""
         return flash_attn_with_lse(q, k.unsqueeze(0), v.unsqueeze(0), self.scale, causal=False)
+
+    def attend_chunk(self, q, k, v, offload_engine, ctx: PolicyContext):
+        """Causal attention of a prefill chunk q ``[1, Sq, Hq, D]`` over its own keys and values
+        ``[Sq, Hkv, D]`` (the layer's prefill buffer), before the earlier blocks are streamed;
+        ``(out [1, Sq, Hq, D], lse [1, Hq, Sq])``. A block-sparse policy estimates its mask here."""
+        return flash_attn_with_lse(q, k.unsqueeze(0), v.unsqueeze(0), self.scale, causal=True)
+
+    # ---- GPU-only mode -----------------------------------------------------------------
+    def paged_prefill_attention(self, q, k, v, context, k_cache, v_cache, layer_id: int) -> torch.Tensor:
+        """Prefill attention without offload (paged KV cache) of a packed batch, as
+        :func:`nanovllm.ops.prefill_attention` with ``context``'s ``seqlens_q``, ``seqlens_k``
+        and ``block_tables``. Default: dense."""
+        return prefill_attention(q, k, v, context.seqlens_q, context.seqlens_k, self.scale, k_cache, v_cache,
+                                 context.block_tables)
+
+    # ---- statistics --------------------------------------------------------------------
+    def sparse_stats(self) -> dict:
+        """Compute and communication densities counted so far (see ``stats.py``)."""
+        return self.stats.to_dict(self.dense_prefill)
