@@ -81,11 +81,22 @@ class Config:
         num_cpu_kvcache_blocks: host KV blocks in offload mode; -1 sizes them from
             ``cpu_memory_utilization`` of the available host memory.
         cpu_memory_utilization: share of available host memory offload mode may pin, in (0, 1].
-        sparse_policy: which offloaded blocks attention reads: "FULL" (every block) or "QUEST"
-            (decode: top-k blocks by key min/max bounds); see ``nanovllm.kvcache.sparse``.
+        sparse_policy: "FULL" (every block), "QUEST" (offload decode: top-k blocks by key
+            min/max bounds) or "XATTN_BSA" (prefill, offload and GPU-only: XAttention block-sparse
+            attention, Xu et al. 2025; decode is full); see ``nanovllm.kvcache.sparse`` and
+            ``docs/sparse.md``. ``LLM.get_sparse_stats()`` reports the densities.
         sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
             first and the last block, which are always loaded.
         sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
+        sparse_threshold: XATTN_BSA, share of the estimated attention mass each (head, query
+            block) keeps, in [0, 1] (default 0.9; 1.0 keeps every block: FULL's result).
+        sparse_stride: XATTN_BSA antidiagonal stride of the estimation, a power of two in
+            [1, 64] and <= sparse_block_size (default 8; 16 is cheaper and coarser).
+        sparse_block_size: XATTN_BSA sparse block in tokens, a power of two in [16, 1024] that
+            divides kvcache_block_size (default 128).
+        sparse_chunk_size: XATTN_BSA, GPU-only mode: query rows estimated per call, a multiple
+            of sparse_block_size (default 16384); bounds the estimation's memory. Offload mode
+            estimates one prefill chunk (one KV block) at a time.
 
     Raises:
         ValueError: a bad field, naming the field, the value and the limit.
@@ -110,6 +121,10 @@ class Config:
     sparse_policy: str = "FULL"
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
+    sparse_threshold: float = 0.9
+    sparse_stride: int = 8
+    sparse_block_size: int = 128
+    sparse_chunk_size: int = 16384
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -154,6 +169,16 @@ class Config:
         self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
         _check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
         _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)
+        self._check_xattn()
+
+    def _check_xattn(self):
+        from nanovllm.kvcache.sparse.xattn_policy import check_xattn_params
+
+        check_xattn_params(self.sparse_threshold, self.sparse_stride, self.sparse_block_size,
+                           self.sparse_chunk_size)
+        if self.kvcache_block_size % self.sparse_block_size:
+            raise ValueError(f"sparse_block_size={self.sparse_block_size} must divide "
+                             f"kvcache_block_size={self.kvcache_block_size}")
 
     def _check_tensor_parallel(self):
         cfg = self.hf_config

@@ -48,6 +48,45 @@ def run_requests(llm, prompts, params) -> dict[int, dict]:
     return {i: done[i] for i in ids}
 
 
+class LogitRecorder:
+    """Records, per sequence, the float32 logits row of every sampled step."""
+
+    def __init__(self, llm):
+        from nanovllm.engine.model_runner import ModelRunner
+
+        self.rows: dict = {}
+        runner = llm.model_runner
+        sampler_forward, run = runner.sampler.forward, runner.run
+
+        def recording_run(seqs, is_prefill, *args, **kwargs):
+            self.sampled = [s.seq_id for s in seqs if not is_prefill or ModelRunner._finishes_prefill(s)]
+            return run(seqs, is_prefill, *args, **kwargs)
+
+        def recording_forward(logits, *args, **kwargs):
+            for seq_id, row in zip(self.sampled, logits.float()):
+                self.rows.setdefault(seq_id, []).append(row.clone())
+            return sampler_forward(logits, *args, **kwargs)
+
+        runner.run, runner.sampler.forward = recording_run, recording_forward
+
+    def per_request(self, seq_ids: list[int]) -> list:
+        import torch
+
+        return [torch.stack(self.rows[i]) for i in seq_ids]
+
+
+def generate_with_logits(llm, prompts, max_tokens):
+    """Greedy ``max_tokens`` per prompt: (completion token ids, float32 logits ``[steps, vocab]``)
+    per prompt, in prompt order."""
+    recorder = LogitRecorder(llm)
+    ids = [llm.add_request(p, greedy(max_tokens)) for p in prompts]
+    done = {}
+    while not llm.is_finished():
+        for seq in llm.step()[0]:
+            done[seq.seq_id] = seq.completion_token_ids
+    return [done[i] for i in ids], recorder.per_request(ids)
+
+
 ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2")  # conftest fixtures f"{arch}_dir"
 
 

@@ -7,44 +7,10 @@ exercise the whole chunking, ring-slot and decode-buffer logic.
 import pytest
 import torch
 
-from _util import build_llm, greedy, random_prompt
-from nanovllm.engine.model_runner import ModelRunner
+from _util import build_llm, generate_with_logits as _generate, random_prompt
 
 PROMPT_LENS = (1, 100, 255, 256, 257, 1000, 3000)
 MAX_MODEL_LEN = 3100
-
-
-class LogitRecorder:
-    """Records, per sequence, the float32 logits row of every sampled step."""
-
-    def __init__(self, llm):
-        self.rows: dict[int, list[torch.Tensor]] = {}
-        runner = llm.model_runner
-        sampler_forward, run = runner.sampler.forward, runner.run
-
-        def recording_run(seqs, is_prefill, *args, **kwargs):
-            self.sampled = [s.seq_id for s in seqs if not is_prefill or ModelRunner._finishes_prefill(s)]
-            return run(seqs, is_prefill, *args, **kwargs)
-
-        def recording_forward(logits, *args, **kwargs):
-            for seq_id, row in zip(self.sampled, logits.float()):
-                self.rows.setdefault(seq_id, []).append(row.clone())
-            return sampler_forward(logits, *args, **kwargs)
-
-        runner.run, runner.sampler.forward = recording_run, recording_forward
-
-    def per_request(self, seq_ids: list[int]) -> list[torch.Tensor]:
-        return [torch.stack(self.rows[i]) for i in seq_ids]
-
-
-def _generate(llm, prompts, max_tokens):
-    recorder = LogitRecorder(llm)
-    ids = [llm.add_request(p, greedy(max_tokens)) for p in prompts]
-    done = {}
-    while not llm.is_finished():
-        for seq in llm.step()[0]:
-            done[seq.seq_id] = seq.completion_token_ids
-    return [done[i] for i in ids], recorder.per_request(ids)
 
 
 @pytest.fixture(scope="module")
