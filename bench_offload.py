@@ -1,11 +1,14 @@
 """One long sequence with the KV cache offloaded to host memory and without; prints JSON.
 
     python bench_offload.py --input-len 32768 --num-gpu-blocks 4 --block-size 4096
+    python bench_offload.py --sparse-policy XATTN_BSA --sparse-threshold 0.9
 
 Default model: a random-weight checkpoint with Llama-3.1-8B's shape (created once under
 $NANOVLLM_CACHE). Reported per mode: prefill tok/s, TTFT, decode tok/s, TPOT; for offload also
 bytes moved H2D / D2H, achieved decode GB/s, and decode tok/s as a fraction of the PCIe bound
-(pinned bandwidth measured here / KV bytes read per token).
+(pinned bandwidth measured here / KV bytes read per token). The sparse policy applies to both
+modes (QUEST only changes offload decode; XATTN_BSA is block-sparse prefill in both); each mode
+reports its ``LLM.get_sparse_stats()`` of the measured request (``sparse_stats``).
 """
 import argparse
 import gc
@@ -41,14 +44,20 @@ def sync():
         torch.cuda.synchronize()
 
 
+def _stats_summary(stats: dict) -> dict:
+    """get_sparse_stats() without the per-layer lists (kept short for the JSON line)."""
+    return {"policy": stats["policy"], **{phase: {k: v for k, v in stats[phase].items() if k != "per_layer"}
+                                          for phase in ("prefill", "decode")}}
+
+
 def run_one(args, offload: bool) -> dict:
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens + 16, kvcache_block_size=args.block_size,
-                  max_num_seqs=1, enforce_eager=args.enforce_eager, device=args.device)
+                  max_num_seqs=1, enforce_eager=args.enforce_eager, device=args.device,
+                  sparse_policy=args.sparse_policy, sparse_threshold=args.sparse_threshold,
+                  sparse_topk_blocks=args.sparse_topk_blocks, sparse_threshold_blocks=args.sparse_threshold_blocks)
     if offload:
         kwargs.update(enable_cpu_offload=True, num_gpu_blocks=args.num_gpu_blocks,
-                      num_cpu_kvcache_blocks=-(-kwargs["max_model_len"] // args.block_size),
-                      sparse_policy=args.sparse_policy, sparse_topk_blocks=args.sparse_topk_blocks,
-                      sparse_threshold_blocks=args.sparse_threshold_blocks)
+                      num_cpu_kvcache_blocks=-(-kwargs["max_model_len"] // args.block_size))
     else:
         kwargs.update(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(args.model, **kwargs)
@@ -59,6 +68,7 @@ def run_one(args, offload: bool) -> dict:
     engine = getattr(llm.model_runner, "offload_engine", None)
     if engine is not None:
         engine.reset()
+    llm.reset_sparse_stats()
     llm.add_request(prompt, params)
     sync()
     t0 = time.perf_counter()
@@ -77,7 +87,7 @@ def run_one(args, offload: bool) -> dict:
     result = {"mode": "offload" if offload else "gpu", "input_len": args.input_len,
               "prefill_tok_per_s": round(args.input_len / ttft, 1), "ttft_s": round(ttft, 3),
               "decode_tok_per_s": round(steps / decode_s, 2), "tpot_ms": round(decode_s / steps * 1e3, 3),
-              "tokens": finished[0].completion_token_ids}
+              "tokens": finished[0].completion_token_ids, "sparse_stats": _stats_summary(llm.get_sparse_stats())}
     if engine is not None:
         h2d_decode = engine.bytes_h2d - h2d_prefill
         result.update(bytes_h2d=engine.bytes_h2d, bytes_d2h=engine.bytes_d2h,
@@ -97,7 +107,9 @@ def main():
     parser.add_argument("--block-size", type=int, default=4096)
     parser.add_argument("--num-gpu-blocks", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="GPU-only chunk")
-    parser.add_argument("--sparse-policy", default="FULL")
+    parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
+    parser.add_argument("--sparse-threshold", type=float, default=0.9,
+                        help="XATTN_BSA: attention mass kept per query block, in [0, 1]")
     parser.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score")
     parser.add_argument("--sparse-threshold-blocks", type=int, default=4, help="QUEST: select above this many")
     parser.add_argument("--modes", default="gpu,offload")

@@ -3,7 +3,7 @@
 Importable under pytest (tests/ is on sys.path, like ``_util``) and when those files run as
 scripts (sys.path[0] is then tests/): the engine/offload settings with their validation and
 :class:`nanovllm.LLM` keyword arguments, the matching command-line options, the model-directory
-resolution, :func:`make_llm` and :func:`engine_offload`.
+resolution, :func:`make_llm`, :func:`engine_offload` and :func:`sparse_stats_text`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_gpu_blocks", "block_size", "sparse_policy", "sparse_topk_blocks",
-                 "sparse_threshold_blocks", "num_cpu_blocks", "device", "dtype", "enforce_eager")
+                 "sparse_threshold_blocks", "sparse_threshold", "num_cpu_blocks", "device", "dtype",
+                 "enforce_eager")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class EngineSettings:
     sparse_policy: str = "FULL"
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
+    sparse_threshold: float = 0.9
     num_cpu_blocks: int | None = None
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
@@ -47,12 +49,23 @@ class EngineSettings:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in (None, *DTYPE_CHOICES[1:]):
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        self._validate_sparse()
         if not self.enable_offload:
             return
         if self.num_gpu_blocks < 2:
             raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
         if self.block_size <= 0 or self.block_size % 256:
             raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        need = -(-self.max_model_len // self.block_size)
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
+            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
+                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
+                             f"{self.block_size} are needed")
+
+    def _validate_sparse(self) -> None:
+        """The sparse options (XATTN_BSA applies without offload too)."""
+        import math
+
         from nanovllm.kvcache.sparse import SparsePolicyType
 
         try:
@@ -64,11 +77,9 @@ class EngineSettings:
             raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")
         if self.sparse_threshold_blocks < 0:
             raise ValueError(f"sparse-threshold-blocks must be >= 0, got {self.sparse_threshold_blocks}")
-        need = -(-self.max_model_len // self.block_size)
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
-            raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
-                             f"max-new-tokens = {self.max_model_len} tokens: {need} blocks of "
-                             f"{self.block_size} are needed")
+        if not (isinstance(self.sparse_threshold, (int, float)) and math.isfinite(self.sparse_threshold)
+                and 0.0 <= self.sparse_threshold <= 1.0):
+            raise ValueError(f"sparse-threshold must be in [0, 1], got {self.sparse_threshold!r}")
 
     def engine_kwargs(self, max_model_len: int | None = None, max_num_seqs: int = 1) -> dict:
         """Keyword arguments of :class:`nanovllm.LLM` (``max_model_len`` defaults to the
@@ -76,13 +87,13 @@ class EngineSettings:
         if max_model_len is None:
             max_model_len = self.max_model_len
         kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                  dtype=self.dtype, enforce_eager=self.enforce_eager)
+                  dtype=self.dtype, enforce_eager=self.enforce_eager, sparse_policy=self.sparse_policy,
+                  sparse_topk_blocks=self.sparse_topk_blocks, sparse_threshold_blocks=self.sparse_threshold_blocks,
+                  sparse_threshold=self.sparse_threshold)
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
             kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
-                      num_gpu_blocks=self.num_gpu_blocks, sparse_policy=self.sparse_policy,
-                      sparse_topk_blocks=self.sparse_topk_blocks,
-                      sparse_threshold_blocks=self.sparse_threshold_blocks,
+                      num_gpu_blocks=self.num_gpu_blocks,
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
                                               else per_seq * max_num_seqs))
         return kw
@@ -99,10 +110,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--block-size", type=int, default=1024,
                    help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
-    p.add_argument("--sparse-policy", default="FULL", help="offload sparse policy: FULL or QUEST (default FULL)")
+    p.add_argument("--sparse-policy", default="FULL",
+                   help="sparse policy: FULL, QUEST (offload decode) or XATTN_BSA (prefill, with or "
+                        "without offload) (default FULL)")
     p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
     p.add_argument("--sparse-threshold-blocks", type=int, default=4,
                    help="QUEST: select only above this many blocks (default 4)")
+    p.add_argument("--sparse-threshold", type=float, default=0.9,
+                   help="XATTN_BSA: share of the estimated attention mass kept per query block, in [0, 1] "
+                        "(default 0.9)")
     if before_device is not None:
         before_device(p)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -157,3 +173,17 @@ def engine_offload(llm) -> dict | None:
     return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
                 num_cpu_blocks=llm.model_runner.num_kv_blocks,
                 sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
+
+
+def sparse_stats_text(stats: dict | None) -> str:
+    """One line of :meth:`nanovllm.LLM.get_sparse_stats`: the policy, prefill compute and
+    communication density, decode communication density ("-" where nothing was counted)."""
+    if stats is None:
+        return "-"
+
+    def fmt(value):
+        return "-" if value is None else f"{value:.3f}"
+
+    prefill, decode = stats["prefill"], stats["decode"]
+    return (f"{stats['policy']}: prefill density {fmt(prefill['density'])}, comm density "
+            f"{fmt(prefill['comm_density'])}; decode comm density {fmt(decode['comm_density'])}")

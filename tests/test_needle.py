@@ -14,15 +14,18 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
 
     python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
         --num-gpu-blocks 2 --block-size 1024 --sparse-policy FULL --max-new-tokens 16
+    python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
+        --num-gpu-blocks 2 --block-size 1024 --sparse-policy XATTN_BSA --sparse-threshold 0.9
     python tests/test_needle.py --model DIR --device cuda --dtype bfloat16 --enable-offload ...
 
-It prints a summary (input tokens, needle depth, offload settings, answer, pass/fail, prefill
-and decode seconds), optionally writes it as JSON (``--json-output PATH``), and exits 0 on pass,
-1 when the answer lacks the needle, 2 on bad arguments.
+It prints a summary (input tokens, needle depth, offload settings, the sparse policy's densities,
+answer, pass/fail, prefill and decode seconds), optionally writes it as JSON (``--json-output
+PATH``), and exits 0 on pass, 1 when the answer lacks the needle, 2 on bad arguments.
 
-pytest: one offloaded engine (``enable_cpu_offload=True``, 1024-token blocks, 2 ring slots,
-float32, CPU) on SmolLM2 for the module, and needles at depths 0.1, 0.5 and 0.9 of ~4K-token
-prompts (marked ``slow``; each CPU prefill of 4K tokens takes tens of seconds on 2 cores).
+pytest: offloaded engines (``enable_cpu_offload=True``, 1024-token blocks, 2 ring slots,
+float32, CPU) on SmolLM2, one per policy (FULL; XATTN_BSA with threshold 0.9), and needles at
+depths 0.1, 0.5 and 0.9 of ~4K-token prompts (marked ``slow``; each CPU prefill of 4K tokens
+takes tens of seconds on 2 cores).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
-                          resolve_model_dir)
+                          resolve_model_dir, sparse_stats_text)
 
 from nanovllm.utils.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
 
@@ -125,6 +128,7 @@ class NeedleResult:
     dtype: str = ""
     bytes_h2d: int | None = None  # offload traffic of this run (None without offload)
     bytes_d2h: int | None = None
+    sparse_stats: dict | None = None  # LLM.get_sparse_stats() of this run
 
     @property
     def needle_depth(self) -> float:
@@ -139,6 +143,7 @@ class NeedleResult:
             f"needle:         {self.needle_value} at depth {self.needle_position:g} requested, "
             f"token {self.needle_token_index} ({self.needle_depth:.3f} of the prompt)",
             f"offload:        {self._offload_text()}",
+            f"sparse:         {sparse_stats_text(self.sparse_stats)}",
         ]
         if self.bytes_h2d is not None:
             lines.append(f"offload bytes:  H2D {self.bytes_h2d / 2**20:.1f} MiB, "
@@ -215,6 +220,7 @@ def run_needle(llm, settings: NeedleSettings) -> NeedleResult:
                          f"max_position_embeddings is {cfg.hf_config.max_position_embeddings})")
     ids, needle_at = build_needle_prompt(llm.tokenizer, settings)
     before = _offload_bytes(llm)
+    llm.reset_sparse_stats()
     sp = SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens)
     out, prefill_s, decode_s = _generate_timed(llm, ids, sp)
     after = _offload_bytes(llm)
@@ -227,7 +233,7 @@ def run_needle(llm, settings: NeedleSettings) -> NeedleResult:
         settings=asdict(settings), offload=engine_offload(llm), model=str(cfg.model),
         device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."),
         bytes_h2d=None if after is None else after[0] - before[0],
-        bytes_d2h=None if after is None else after[1] - before[1],
+        bytes_d2h=None if after is None else after[1] - before[1], sparse_stats=llm.get_sparse_stats(),
     )
 
 
@@ -312,32 +318,71 @@ def main(argv: list[str] | None = None) -> int:
 # block boundary) and two prompts whose last prefill block is partial.
 TEST_SETTINGS = dict(enable_offload=True, block_size=1024, num_gpu_blocks=2, sparse_policy="FULL",
                      max_new_tokens=16, device="cpu", dtype="float32", enforce_eager=True)
+XATTN_SETTINGS = {**TEST_SETTINGS, "sparse_policy": "XATTN_BSA", "sparse_threshold": 0.9}
 TEST_MAX_INPUT_LEN = 4096
 TEST_CASES = [(0.1, 4096), (0.5, 4000), (0.9, 4050)]
+TEST_IDS = [f"depth{p}-{n}tok" for p, n in TEST_CASES]
+# Measured once on CPU, float32: the needle at depth 0.1 is lost at threshold 0.9 (prefill density
+# 0.339: 'The pass key is a special type of switch ...'; also at 0.95, density 0.449) and found
+# at 0.99 (density 0.663); depths 0.5 and 0.9 pass at 0.9 (densities 0.341 and 0.327).
+XATTN_KNOWN_MISSES = {0.1: "measured: XAttention at threshold 0.9 (density 0.34) loses the needle at depth 0.1 "
+                           "on SmolLM2-135M; threshold 0.99 finds it"}
 
 
-@pytest.fixture(scope="module")
-def needle_llm():
+def _module_llm(settings: dict):
     from nanovllm.fetch import fetch_model
 
-    llm = make_llm(fetch_model(), NeedleSettings(input_len=TEST_MAX_INPUT_LEN, **TEST_SETTINGS))
+    llm = make_llm(fetch_model(), NeedleSettings(input_len=TEST_MAX_INPUT_LEN, **settings))
     yield llm
     llm.shutdown()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("position,input_len", TEST_CASES,
-                         ids=[f"depth{p}-{n}tok" for p, n in TEST_CASES])
-def test_needle_offload_4k(needle_llm, position, input_len):
-    settings = NeedleSettings(input_len=input_len, needle_position=position, **TEST_SETTINGS)
-    result = run_needle(needle_llm, settings)
+@pytest.fixture(scope="module")
+def needle_llm():
+    yield from _module_llm(TEST_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def xattn_needle_llm():
+    yield from _module_llm(XATTN_SETTINGS)
+
+
+def _check_needle_result(result: NeedleResult, settings: NeedleSettings, position: float,
+                         known_miss: str | None = None) -> None:
+    """Every check of a needle run; a documented ``known_miss`` turns only a missing answer into
+    an expected failure."""
     print("\n" + result.summary())
-    assert result.input_tokens == input_len
+    assert result.input_tokens == settings.input_len
     assert result.needle_token_index >= 0
     assert abs(result.needle_depth - position) < 0.1, result.summary()
     assert result.offload is not None and result.offload["num_gpu_blocks"] == 2, result.offload
     assert result.bytes_h2d > 0, "offload mode streamed no KV through the ring buffer"
+    if known_miss is not None and not result.passed:
+        pytest.xfail(known_miss)
     assert result.passed, f"needle {settings.needle_value} not in the answer\n{result.summary()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position,input_len", TEST_CASES, ids=TEST_IDS)
+def test_needle_offload_4k(needle_llm, position, input_len):
+    settings = NeedleSettings(input_len=input_len, needle_position=position, **TEST_SETTINGS)
+    result = run_needle(needle_llm, settings)
+    assert result.sparse_stats["prefill"]["comm_density"] == 1.0
+    _check_needle_result(result, settings, position)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position,input_len", TEST_CASES, ids=TEST_IDS)
+def test_needle_offload_4k_xattn(xattn_needle_llm, position, input_len):
+    """XAttention block-sparse prefill (threshold 0.9) keeps the needle while attending to a
+    fraction of the visible blocks (see ``XATTN_KNOWN_MISSES``)."""
+    settings = NeedleSettings(input_len=input_len, needle_position=position, **XATTN_SETTINGS)
+    result = run_needle(xattn_needle_llm, settings)
+    prefill = result.sparse_stats["prefill"]
+    assert result.sparse_stats["policy"] == "XATTN_BSA"
+    assert 0.0 < prefill["density"] < 1.0, result.summary()
+    assert 0.0 < prefill["comm_density"] <= 1.0 and prefill["estimate_k_loads"] > 0, result.summary()
+    _check_needle_result(result, settings, position, XATTN_KNOWN_MISSES.get(position))
 
 
 def test_needle_argument_errors(capsys):
@@ -352,6 +397,7 @@ def test_needle_argument_errors(capsys):
         (["--enable-offload", "--num-gpu-blocks", "1"], "num-gpu-blocks must be >= 2"),
         (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
+        (["--sparse-policy", "XATTN_BSA", "--sparse-threshold", "1.2"], "sparse-threshold must be in [0, 1]"),
         (["--enable-offload", "--input-len", "4096", "--num-cpu-blocks", "2"], "num-cpu-blocks=2 cannot hold"),
     ]
     for argv, message in cases:

@@ -15,12 +15,15 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
 
     python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
         --enable-offload --block-size 1024 --num-gpu-blocks 2 --sparse-policy FULL
+    python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
+        --enable-offload --block-size 1024 --num-gpu-blocks 2 --sparse-policy XATTN_BSA --sparse-threshold 0.9
     python tests/test_ruler.py --model DIR --device cuda --dtype bfloat16 --tasks vt,cwe ...
 
-It prints a per-task table (task, samples, mean score, seconds) and the overall mean (the mean
-of the per-task means, as RULER averages tasks), optionally writes everything as JSON
-(``--json-output PATH``: settings, per-sample outputs, answers and scores), and exits 0 after a
-completed run (the scores are a measurement, not a pass/fail), 2 on bad arguments.
+It prints a per-task table (task, samples, mean score, seconds), the overall mean (the mean
+of the per-task means, as RULER averages tasks) and the sparse policy's densities, optionally
+writes everything as JSON (``--json-output PATH``: settings, per-sample outputs, answers, scores
+and ``sparse_stats``), and exits 0 after a completed run (the scores are a measurement, not a
+pass/fail), 2 on bad arguments.
 
 pytest: fast unit tests of the generator with the SmolLM2 tokenizer (exact lengths of every task
 at 500 and 2000 tokens, answers inside the prompt, determinism, scoring, errors) and one small
@@ -39,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
-                          resolve_model_dir)
+                          resolve_model_dir, sparse_stats_text)
 
 from nanovllm.utils import ruler
 
@@ -119,6 +122,7 @@ class RulerReport:
     model: str = ""
     device: str = ""
     dtype: str = ""
+    sparse_stats: dict | None = None  # LLM.get_sparse_stats() over the whole evaluation
 
     @property
     def overall(self) -> float:
@@ -143,13 +147,14 @@ class RulerReport:
                    f"{o['num_cpu_blocks']} CPU blocks, policy {o['sparse_policy']}")
         head = [f"model:       {self.model} ({self.device}, {self.dtype})",
                 f"input len:   {self.input_len} tokens per prompt",
-                f"offload:     {offload}", ""]
+                f"offload:     {offload}",
+                f"sparse:      {sparse_stats_text(self.sparse_stats)}", ""]
         return "\n".join(head) + self.table()
 
     def to_json(self) -> dict:
         return {"model": self.model, "device": self.device, "dtype": self.dtype,
                 "input_len": self.input_len, "settings": self.settings, "offload": self.offload,
-                "overall_mean_score": self.overall,
+                "sparse_stats": self.sparse_stats, "overall_mean_score": self.overall,
                 "tasks": [{**asdict(r), "mean_score": r.mean, "num_samples": len(r.scores)}
                           for r in self.results]}
 
@@ -173,6 +178,7 @@ def run_ruler(llm, settings: RulerSettings, samples: dict[str, list[dict]] | Non
                          f"engine's max_model_len={cfg.max_model_len}")
     if samples is None:
         samples = build_samples(llm.tokenizer, settings)
+    llm.reset_sparse_stats()
     results = []
     for task in settings.tasks:
         batch = samples[task]
@@ -191,7 +197,7 @@ def run_ruler(llm, settings: RulerSettings, samples: dict[str, list[dict]] | Non
             log(f"{task}: mean score {result.mean:.3f} over {len(batch)} samples ({seconds:.1f} s)")
     return RulerReport(results=results, input_len=settings.input_len, settings=asdict(settings),
                        offload=engine_offload(llm), model=str(cfg.model), device=cfg.device,
-                       dtype=str(cfg.dtype).removeprefix("torch."))
+                       dtype=str(cfg.dtype).removeprefix("torch."), sparse_stats=llm.get_sparse_stats())
 
 
 # ---- command line ------------------------------------------------------------------------
@@ -408,6 +414,7 @@ def test_cli_argument_errors(capsys):
         (["--enable-offload", "--num-gpu-blocks", "1"], "num-gpu-blocks must be >= 2"),
         (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
+        (["--sparse-threshold", "-0.5"], "sparse-threshold must be in [0, 1]"),
         (["--input-len", "9000", "--tasks", "vt"], "exceeds the model's max_position_embeddings=8192"),
         (["--input-len", "100", "--tasks", "cwe"], "input_len=100 is too small for task 'cwe'"),
     ]
@@ -436,6 +443,7 @@ def test_cli_end_to_end_small(tmp_path, capsys):
     assert task["task"] == "niah_single_numbers" and task["num_samples"] == 1
     assert 0.0 <= task["mean_score"] <= 1.0 and 0.0 <= data["overall_mean_score"] <= 1.0
     assert data["offload"]["num_gpu_blocks"] == 2 and data["input_len"] == 1000
+    assert data["sparse_stats"]["policy"] == "FULL" and data["sparse_stats"]["prefill"]["density"] == 1.0
     assert 1 <= task["generated_tokens"][0] <= 24
 
 
