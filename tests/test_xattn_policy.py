@@ -172,7 +172,8 @@ def test_short_context_attends_densely():
         (dict(sparse_block_size=8), r"sparse_block_size must be a power of two in \[16, 1024\], got 8"),
         (dict(sparse_block_size=32, sparse_stride=64), "sparse_stride=64 must be <= sparse_block_size=32"),
         (dict(sparse_block_size=512), "sparse_block_size=512 must divide kvcache_block_size=256"),
-        (dict(sparse_chunk_size=100), "sparse_chunk_size must be a positive multiple of sparse_block_size=128, got 100"),
+        (dict(sparse_chunk_size=100), "sparse_chunk_size must be a positive multiple of sparse_block_size=128, "
+                                      "got 100"),
         (dict(sparse_chunk_size=0), "sparse_chunk_size must be a positive multiple of sparse_block_size=128, got 0"),
     ],
 )
