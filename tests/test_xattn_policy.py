@@ -187,3 +187,5 @@ def test_policy_checks_its_arguments():
         XAttentionBSAPolicy(0.1, threshold=-0.1)
     with pytest.raises(ValueError, match="sparse_chunk_size"):
         XAttentionBSAPolicy(0.1, block_size=64, chunk_size=96)
+    with pytest.raises(ValueError, match="sparse_block_size=512 must divide kvcache_block_size=256"):
+        XAttentionBSAPolicy(0.1, block_size=512, chunk_size=1024).initialize(_engine())

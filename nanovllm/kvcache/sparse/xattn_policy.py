@@ -84,6 +84,12 @@ class XAttentionBSAPolicy(SparsePolicy):
         self.threshold, self.stride = float(threshold), stride
         self.block_size, self.chunk_size = block_size, chunk_size
 
+    def initialize(self, offload_engine) -> None:
+        """Raises ValueError unless the sparse block divides the offload KV block."""
+        if offload_engine.block_size % self.block_size:
+            raise ValueError(f"sparse_block_size={self.block_size} must divide "
+                             f"kvcache_block_size={offload_engine.block_size}")
+
     def _record(self, layer_id: int, heads: int, seq_q: int, seq_k: int, mask: torch.Tensor | None = None):
         visible = heads * causal_visible_blocks(seq_q, seq_k, self.block_size)
         self.stats.add_compute(layer_id, visible if mask is None else mask.sum(), visible)
