@@ -146,6 +146,10 @@ class OffloadEngine:
         self.load_to_slot_layer(slot, layer, cpu_block)
         self._prefetched[slot] = (layer, cpu_block)
 
+    def prefetched_slots(self, layer: int) -> dict[int, int]:
+        """``{cpu_block: slot}`` of the pending prefetches of ``layer``."""
+        return {block: slot for slot, (lay, block) in self._prefetched.items() if lay == layer}
+
     def drop_prefetches(self):
         """Forget prefetches the current call did not take (called once its first loads are
         issued, at every step start and on reset; a stale entry must never match later)."""

@@ -10,9 +10,10 @@ In offload mode an attention layer hands each prefill chunk and each decode step
 Folding is attention with LSE plus a log-sum-exp merge: for a prefill chunk two steps
 (``attend_block``, then ``merge_attention_outputs``), for a decode query one fused kernel
 (``decode_attend_merge``). In decode, a policy whose block choice does not depend on the query
-(``decode_selection_needs_query = False``) lets the layer prefetch the next call's first N blocks
-as soon as a call has issued its last load, so the copy engine keeps streaming across sequence
-and layer boundaries while the host runs the rest of the layer.
+lets the layer prefetch the next call's first N blocks as soon as a call has issued its last
+load, so the copy engine keeps streaming across sequence and layer boundaries while the host runs
+the rest of the layer; a query-dependent policy prefetches the blocks it always loads
+(``blocks_before_query``).
 
 A policy changes *which* blocks are loaded (``select_blocks``) and may keep metadata through the
 offload hooks; block-sparse prefill policies may also override the per-block attention.
@@ -79,7 +80,6 @@ class SparsePolicy(ABC):
 
     supports_prefill = True
     supports_decode = True
-    decode_selection_needs_query = False
     dense_prefill = True
     """Prefill attends to every causally visible key (compute density 1.0, not counted)."""
 
@@ -132,14 +132,25 @@ class SparsePolicy(ABC):
         self._attend_cpu_blocks(q.unsqueeze(0), (out[0], lse[0]), offload_engine, ctx)
         return out.to(q.dtype)
 
+    def blocks_before_query(self, ctx: PolicyContext) -> list[int]:
+        """Indices into ``ctx.cpu_blocks`` that a decode call will load whatever its query,
+        known before the query exists. Default: the whole selection (it ignores the query)."""
+        return self.select_blocks(list(range(len(ctx.cpu_blocks))), None, ctx, None)
+
     def prefetch_decode(self, offload_engine, ctx: PolicyContext) -> None:
-        """Start loading the first N blocks of the decode call described by ``ctx`` before its
-        query exists (only when the block choice does not depend on the query)."""
-        if self.decode_selection_needs_query:
-            return
-        chosen = self.select_blocks(list(range(len(ctx.cpu_blocks))), offload_engine, ctx, None)
-        for slot in range(min(offload_engine.num_slots, len(chosen))):
-            offload_engine.prefetch_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[chosen[slot]])
+        """Start loading, into slots 0, 1, ..., the first N of ``blocks_before_query`` of the
+        decode call described by ``ctx``, before its query exists."""
+        known = self.blocks_before_query(ctx)[:offload_engine.num_slots]
+        for slot, index in enumerate(known):
+            offload_engine.prefetch_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[index])
+
+    @staticmethod
+    def _prefetched_first(chosen: list[int], engine, ctx: PolicyContext) -> list[int]:
+        """``chosen`` with the blocks already prefetched for this call first, in slot order (so
+        the one in slot j is the j-th to load); the LSE merge does not depend on the order."""
+        slot_of = engine.prefetched_slots(ctx.layer_id)
+        ahead = sorted((i for i in chosen if ctx.cpu_blocks[i] in slot_of), key=lambda i: slot_of[ctx.cpu_blocks[i]])
+        return ahead + [i for i in chosen if ctx.cpu_blocks[i] not in slot_of]
 
     def _attend_cpu_blocks(self, q, state, engine, ctx: PolicyContext, visit=None):
         """N-way pipeline over the selected CPU blocks (N = ring slots), folded into ``state``
@@ -152,6 +163,7 @@ class SparsePolicy(ABC):
         chosen = self.select_blocks(available, engine, ctx, q) if visit is None else available
         if visit is None:
             self.stats.add_comm(ctx.layer_id, ctx.is_prefill, len(chosen), len(available))
+            chosen = self._prefetched_first(chosen, engine, ctx)
         load = engine.load_to_slot_layer if visit is None else engine.load_k_to_slot_layer
         slots = engine.num_slots
         for i in range(min(slots, len(chosen))):

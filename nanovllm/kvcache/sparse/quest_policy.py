@@ -59,8 +59,6 @@ class QuestPolicy(SparsePolicy):
         ValueError: topk_blocks < 1 or threshold_blocks < 0.
     """
 
-    decode_selection_needs_query = True
-
     def __init__(self, scale: float, topk_blocks: int = 8, threshold_blocks: int = 4):
         super().__init__(scale)
         if topk_blocks < 1:
@@ -101,11 +99,18 @@ class QuestPolicy(SparsePolicy):
         self.kmax[:, cpu_block] = pages.amax(2)
         self.num_valid_pages[cpu_block] = self.pages_per_block
 
+    def blocks_before_query(self, ctx: PolicyContext) -> list[int]:
+        n = len(ctx.cpu_blocks)
+        if n <= self.threshold_blocks or n <= self.topk_blocks + 2:
+            return list(range(n))
+        return [0, n - 1]
+
     def select_blocks(self, available: list[int], offload_engine, ctx: PolicyContext,
                       q: torch.Tensor) -> list[int]:
         if ctx.is_prefill or len(available) <= self.threshold_blocks:
             return available
-        blocks = torch.tensor([ctx.cpu_blocks[i] for i in available], device=self.kmin.device)
+        ids = torch.tensor([ctx.cpu_blocks[i] for i in available], pin_memory=self.kmin.is_cuda)
+        blocks = ids.to(self.kmin.device, non_blocking=True)
         kmin, kmax = self.kmin[ctx.layer_id, blocks], self.kmax[ctx.layer_id, blocks]
         page_scores = quest_block_scores(q.reshape(-1, q.shape[-1]), kmin.flatten(0, 1), kmax.flatten(0, 1))
         page_scores = page_scores.view(len(available), self.pages_per_block)
