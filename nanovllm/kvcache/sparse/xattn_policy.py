@@ -146,11 +146,11 @@ class XAttentionBSAPolicy(SparsePolicy):
             nonlocal stats
             stats = merge_row_stats(*stats, *xattn_row_stats(q, k_block, self.stride, self.scale, causal=False))
 
-        sums = []
+        sums = [None] * len(ctx.cpu_blocks)  # by block index: the visiting order does not matter
 
         def block_sums(k_block, index):
-            sums.append(xattn_block_sums(q, k_block, *stats, self.stride, self.block_size, self.scale,
-                                         causal=False))
+            sums[index] = xattn_block_sums(q, k_block, *stats, self.stride, self.block_size, self.scale,
+                                           causal=False)
 
         self._attend_cpu_blocks(q, None, offload_engine, ctx, visit=merge_stats)
         self._attend_cpu_blocks(q, None, offload_engine, ctx, visit=block_sums)
