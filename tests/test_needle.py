@@ -319,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
 TEST_SETTINGS = dict(enable_offload=True, block_size=1024, num_gpu_blocks=2, sparse_policy="FULL",
                      max_new_tokens=16, device="cpu", dtype="float32", enforce_eager=True)
 XATTN_SETTINGS = {**TEST_SETTINGS, "sparse_policy": "XATTN_BSA", "sparse_threshold": 0.9}
+# QUEST with 256-token blocks: the first and last block plus the 2 best of the 14 between them,
+# so 4 of 16 blocks per decode step (with 1024-token blocks k = 2 would read all 4).
+QUEST_SETTINGS = {**TEST_SETTINGS, "block_size": 256, "sparse_policy": "QUEST", "sparse_topk_blocks": 2,
+                  "sparse_threshold_blocks": 4}
 TEST_MAX_INPUT_LEN = 4096
 TEST_CASES = [(0.1, 4096), (0.5, 4000), (0.9, 4050)]
 TEST_IDS = [f"depth{p}-{n}tok" for p, n in TEST_CASES]
@@ -345,6 +349,11 @@ def needle_llm():
 @pytest.fixture(scope="module")
 def xattn_needle_llm():
     yield from _module_llm(XATTN_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def quest_needle_llm():
+    yield from _module_llm(QUEST_SETTINGS)
 
 
 def _check_needle_result(result: NeedleResult, settings: NeedleSettings, position: float,
@@ -383,6 +392,18 @@ def test_needle_offload_4k_xattn(xattn_needle_llm, position, input_len):
     assert 0.0 < prefill["density"] < 1.0, result.summary()
     assert 0.0 < prefill["comm_density"] <= 1.0 and prefill["estimate_k_loads"] > 0, result.summary()
     _check_needle_result(result, settings, position, XATTN_KNOWN_MISSES.get(position))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position,input_len", TEST_CASES, ids=TEST_IDS)
+def test_needle_offload_4k_quest(quest_needle_llm, position, input_len):
+    """QUEST decode reads a quarter of the blocks and still finds the needle."""
+    settings = NeedleSettings(input_len=input_len, needle_position=position, **QUEST_SETTINGS)
+    result = run_needle(quest_needle_llm, settings)
+    decode = result.sparse_stats["decode"]
+    assert result.sparse_stats["policy"] == "QUEST"
+    assert 0.0 < decode["comm_density"] <= 0.3, result.summary()
+    _check_needle_result(result, settings, position)
 
 
 def test_needle_argument_errors(capsys):
