@@ -4,8 +4,7 @@ Greedy tokens of offload mode (2 and 4 ring slots, blocks of 1,024 and 4,096 tok
 GPU-only mode for 64 decode steps after prompts of about 8K, 32K and 128K tokens whose lengths
 are not block multiples (measured on the H200: runs part from GPU-only at near-ties of the
 random-weight logits, see docs/offload.md); 20 repeated 32K runs (16 decode steps) with 2 slots
-must all be identical. Slow (about
-six minutes on the H200); run it on the device:
+must all be identical. Slow (about six minutes on the H200); run it on the device:
 
     python -m pytest tests/gpu/test_offload_gpu.py -q
 """
