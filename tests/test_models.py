@@ -51,6 +51,7 @@ def test_prefill_logits_match_transformers(arch_env):
     assert ours.shape == ref.shape == (300, VOCAB_SIZE)
     diff = (ours - ref).abs().max().item()
     assert diff <= LOGITS_ATOL, f"{arch}: max |logits - transformers| = {diff:.3g}"
+    assert torch.allclose(llm.model_runner.forward_logits(prompt, last=2), ours[-2:], atol=1e-6)
 
 
 def test_prefill_logits_long_prompt(arch_env):

@@ -395,9 +395,10 @@ class ModelRunner:
         return seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq)
 
     @torch.inference_mode()
-    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 logits ``[len(token_ids), vocab]`` of one prompt, without touching the KV
-        cache (for scoring and for tests against a reference; rank 0 only)."""
+    def forward_logits(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:
+        """float32 logits ``[len(token_ids), vocab]`` of one prompt (only the ``last`` positions
+        when given: a 128K prompt's full logits would take 64 GB), without touching the KV cache
+        (for scoring and for tests against a reference; rank 0 only)."""
         if self.world_size > 1:
             raise RuntimeError("forward_logits runs with tensor_parallel_size=1 only")
         n = len(token_ids)
@@ -405,7 +406,7 @@ class ModelRunner:
         try:
             hidden = self.model(self._tensor(token_ids, torch.int64),
                                 torch.arange(n, device=self.device))
-            return self.model.compute_logits(hidden).float()
+            return self.model.compute_logits(hidden if last is None else hidden[-last:]).float()
         finally:
             reset_context()
 

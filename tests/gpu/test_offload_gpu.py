@@ -85,7 +85,7 @@ def _divergence(llm, prompt, tokens, ref) -> str:
     """Where two greedy runs part, and how close the two tokens' logits were there (full
     forward pass over the common prefix, no KV cache)."""
     step = next(i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b)
-    logits = llm.model_runner.forward_logits(prompt + ref[:step])[-1]
+    logits = llm.model_runner.forward_logits(prompt + ref[:step], last=1)[0]
     top2 = logits.topk(2)
     return (f"first differing decode step {step}: offload {tokens[step]} (logit {logits[tokens[step]]:.4f}), "
             f"GPU-only {ref[step]} (logit {logits[ref[step]]:.4f}); top-2 logits {top2.values.tolist()}")
