@@ -319,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # The command's own output, not library logging: the error for the user, the path for scripts.
     try:
         path = fetch_model(args.name, args.dest, gguf=args.gguf, force=args.force)
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")
         return 1
-    print(path)
+    sys.stdout.write(f"{path}\n")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Helpers shared by the CPU tests (imported by conftest.py and the test modules)."""
 import random
 
+import torch
+
 VOCAB_SIZE = 2048
 EOS_ID = 2
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; "</s>" is EOS_ID
@@ -116,3 +118,13 @@ class StepRecorder:
     def prefill_tokens(self, seq_id: int) -> list[int]:
         """Chunk sizes computed for ``seq_id`` in prefill steps."""
         return [n for is_prefill, rows in self.steps if is_prefill for sid, n in rows if sid == seq_id]
+
+
+def random_qk(seq_q, seq_k, heads_q, heads_kv, dim, dtype=torch.float32, seed=0):
+    """Seeded q ``[seq_q, heads_q, dim]`` and k ``[seq_k, heads_kv, dim]`` for attention-kernel
+    tests, with a few keys scaled by 3 so block scores are far from uniform (ties unlikely)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq_q, heads_q, dim, generator=gen)
+    k = torch.randn(seq_k, heads_kv, dim, generator=gen)
+    k[torch.randint(0, seq_k, (max(1, seq_k // 40),), generator=gen)] *= 3.0
+    return q.to(dtype), k.to(dtype)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _interpreter import eager_only, interpreted_only, run_interpreted_tests
+from _util import random_qk
 
 from nanovllm.ops import flash_attn_with_lse_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
@@ -85,15 +86,6 @@ def naive_masked_attention(q, k, v, mask, block_size, scale, causal):
             lse[h, i] = scores.max() + torch.log(weights.sum())
             out[i, h] = weights @ v[keys, kv].double() / weights.sum()
     return out, lse
-
-
-def random_qk(seq_q, seq_k, heads_q, heads_kv, dim, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(seq_q, heads_q, dim, generator=gen)
-    k = torch.randn(seq_k, heads_kv, dim, generator=gen)
-    # A few strong keys so the block scores are far from uniform (and ties are unlikely).
-    k[torch.randint(0, seq_k, (max(1, seq_k // 40),), generator=gen)] *= 3.0
-    return q.to(dtype), k.to(dtype)
 
 
 def random_mask(heads, seq_q, seq_k, block_size, density, seed=0):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _interpreter import eager_only, interpreted_only, run_interpreted_tests
+from _util import random_qk
 
 from nanovllm.ops.xattn_estimate import normalise_block_rows, xattn_block_scores_ref, xattn_select_blocks
 from nanovllm.ops.xattn_streamed import (
@@ -19,14 +20,6 @@ from nanovllm.ops.xattn_streamed import (
     xattn_row_stats,
     xattn_row_stats_ref,
 )
-
-
-def random_qk(seq_q, seq_k, heads_q, heads_kv, dim, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(seq_q, heads_q, dim, generator=gen)
-    k = torch.randn(seq_k, heads_kv, dim, generator=gen)
-    k[torch.randint(0, seq_k, (max(1, seq_k // 40),), generator=gen)] *= 3.0
-    return q.to(dtype), k.to(dtype)
 
 
 def streamed_scores(q, k_pieces, k_chunk, stride, block_size):

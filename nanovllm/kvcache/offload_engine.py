@@ -108,11 +108,13 @@ class OffloadEngine:
         return torch.cuda.current_stream(self.device) if self.cuda else _NullStream()
 
     # ---- ring buffer -------------------------------------------------------------------
-    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int, reuse_prefetch: bool = False):
+    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int, reuse_prefetch: bool = False,
+                           values: bool = True):
         """Start copying ``layer`` of ``cpu_block`` into ring ``slot`` (H2D, async on the slot's
         stream, after the slot's previous reader and the block's pending offload finished).
         With ``reuse_prefetch``, a pending prefetch of the same layer and block into this slot
-        is taken instead of a second copy."""
+        is taken instead of a second copy. ``values=False`` copies the keys only (estimation
+        passes): the slot's values are then stale and must not be read."""
         if reuse_prefetch and self._prefetched.pop(slot, None) == (layer, cpu_block):
             return
         stream = self.transfer_streams[slot]
@@ -121,24 +123,10 @@ class OffloadEngine:
         stream.wait_event(self.decode_offload_done)
         with self._stream_ctx(stream):
             self.k_slots[slot].copy_(self.k_cpu[layer, cpu_block], non_blocking=True)
-            self.v_slots[slot].copy_(self.v_cpu[layer, cpu_block], non_blocking=True)
+            if values:
+                self.v_slots[slot].copy_(self.v_cpu[layer, cpu_block], non_blocking=True)
             self.slot_ready[slot].record(stream)
-        self.bytes_h2d += 2 * self.block_bytes
-
-    def load_k_to_slot_layer(self, slot: int, layer: int, cpu_block: int, reuse_prefetch: bool = False):
-        """As :meth:`load_to_slot_layer` but keys only (estimation passes): the slot's values are
-        left as they were and must not be read. ``reuse_prefetch`` takes a pending prefetch of the
-        same layer and block (it holds the keys too)."""
-        if reuse_prefetch and self._prefetched.pop(slot, None) == (layer, cpu_block):
-            return
-        stream = self.transfer_streams[slot]
-        stream.wait_event(self.slot_compute_done[slot])
-        stream.wait_event(self.offload_done[layer])
-        stream.wait_event(self.decode_offload_done)
-        with self._stream_ctx(stream):
-            self.k_slots[slot].copy_(self.k_cpu[layer, cpu_block], non_blocking=True)
-            self.slot_ready[slot].record(stream)
-        self.bytes_h2d += self.block_bytes
+        self.bytes_h2d += (2 if values else 1) * self.block_bytes
 
     def prefetch_to_slot_layer(self, slot: int, layer: int, cpu_block: int):
         """``load_to_slot_layer`` on behalf of the next attention call, before it starts; that

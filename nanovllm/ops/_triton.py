@@ -65,3 +65,19 @@ def cdiv(a: int, b: int) -> int:
 def block_dim(head_dim: int) -> int:
     """Triton tile width for head_dim: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, next_pow2(head_dim))
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """FlashAttention-2's online-softmax update (Dao, 2023) for one tile of keys: ``s`` the
+    tile's scaled scores in log2 units ``[M, N]`` (-inf where hidden), ``v`` its values
+    ``[N, D]``; ``m_i`` / ``l_i`` the running row max and sum ``[M]``, ``acc`` the running
+    unnormalised output ``[M, D]`` (float32). A row that has seen no key yet keeps m = -inf,
+    l = 0 and acc = 0. Returns the new ``(m_i, l_i, acc)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

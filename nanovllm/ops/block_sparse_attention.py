@@ -13,7 +13,7 @@ takes the block list directly with no BlockMask conversion per call.
 
 import torch
 
-from ._triton import block_dim, cdiv, check_gqa, check_head_dim, tl, triton, use_triton
+from ._triton import block_dim, cdiv, check_gqa, check_head_dim, online_softmax_step, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -95,13 +95,7 @@ def _bsa_tile(
     if CAUSAL:
         vis = vis & (pos[None, :] <= q_pos[:, None])
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit

@@ -11,7 +11,8 @@ import functools
 
 import torch
 
-from ._triton import block_dim, cdiv, check_gqa, check_head_dim, next_pow2, tl, triton, use_triton
+from ._triton import (block_dim, cdiv, check_gqa, check_head_dim, next_pow2, online_softmax_step, tl, triton,
+                      use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .store_kv import gather_kvcache
 
@@ -89,12 +90,7 @@ def _decode_tile(
                 mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit

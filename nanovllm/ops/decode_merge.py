@@ -10,7 +10,7 @@ launch, which keeps the host ahead of the copy engine.
 
 import torch
 
-from ._triton import block_dim, check_gqa, check_head_dim, tl, triton, use_triton
+from ._triton import block_dim, check_gqa, check_head_dim, online_softmax_step, tl, triton, use_triton
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 
 _BLOCK_G = 16
@@ -58,12 +58,7 @@ def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
     v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ the rest of the layer; a query-dependent policy prefetches the blocks it always 
 A policy changes *which* blocks are loaded (``select_blocks``) and may keep metadata through the
 offload hooks; block-sparse prefill policies may also override the per-block attention.
 """
+import functools
 from abc import ABC
 from dataclasses import dataclass, field
 from enum import Enum
@@ -159,12 +160,12 @@ class SparsePolicy(ABC):
         ``visit``: for estimation passes, a callable ``visit(k, index)`` that gets the keys
         ``[block_len, Hkv, D]`` of *every* CPU block, loaded without their values, instead of
         folding; ``state`` comes back unchanged."""
-        available = list(range(len(ctx.cpu_blocks)))
-        chosen = self.select_blocks(available, engine, ctx, q) if visit is None else available
+        chosen = list(range(len(ctx.cpu_blocks)))
         if visit is None:
-            self.stats.add_comm(ctx.layer_id, ctx.is_prefill, len(chosen), len(available))
-            chosen = self._prefetched_first(chosen, engine, ctx)
-        load = engine.load_to_slot_layer if visit is None else engine.load_k_to_slot_layer
+            selected = self.select_blocks(chosen, engine, ctx, q)
+            self.stats.add_comm(ctx.layer_id, ctx.is_prefill, len(selected), len(chosen))
+            chosen = self._prefetched_first(selected, engine, ctx)
+        load = functools.partial(engine.load_to_slot_layer, values=visit is None)
         slots = engine.num_slots
         for i in range(min(slots, len(chosen))):
             load(i, ctx.layer_id, ctx.cpu_blocks[chosen[i]], reuse_prefetch=True)

@@ -78,6 +78,7 @@ class QuestPolicy(SparsePolicy):
         self.kmin = torch.zeros(shape, dtype=dtype, device=device)
         self.kmax = torch.zeros(shape, dtype=dtype, device=device)
         self.num_valid_pages = torch.zeros(offload_engine.num_cpu_blocks, dtype=torch.int64, device=device)
+        self.page_index = torch.arange(self.pages_per_block, device=device)
 
     def _pages(self, k: torch.Tensor) -> torch.Tensor:
         """``k [n, Hkv, D]`` -> ``[ceil(n / page), page, Hkv, D]``, the last page padded with
@@ -99,21 +100,23 @@ class QuestPolicy(SparsePolicy):
         self.kmax[:, cpu_block] = pages.amax(2)
         self.num_valid_pages[cpu_block] = self.pages_per_block
 
+    def _selects(self, num_blocks: int) -> bool:
+        """Whether a decode step over ``num_blocks`` blocks loads fewer than all of them."""
+        return num_blocks > self.threshold_blocks and num_blocks > self.topk_blocks + 2
+
     def blocks_before_query(self, ctx: PolicyContext) -> list[int]:
         n = len(ctx.cpu_blocks)
-        if n <= self.threshold_blocks or n <= self.topk_blocks + 2:
-            return list(range(n))
-        return [0, n - 1]
+        return [0, n - 1] if self._selects(n) else list(range(n))
 
     def select_blocks(self, available: list[int], offload_engine, ctx: PolicyContext,
                       q: torch.Tensor) -> list[int]:
-        if ctx.is_prefill or len(available) <= self.threshold_blocks:
+        if ctx.is_prefill or not self._selects(len(available)):
             return available
         ids = torch.tensor([ctx.cpu_blocks[i] for i in available], pin_memory=self.kmin.is_cuda)
         blocks = ids.to(self.kmin.device, non_blocking=True)
         kmin, kmax = self.kmin[ctx.layer_id, blocks], self.kmax[ctx.layer_id, blocks]
         page_scores = quest_block_scores(q.reshape(-1, q.shape[-1]), kmin.flatten(0, 1), kmax.flatten(0, 1))
         page_scores = page_scores.view(len(available), self.pages_per_block)
-        valid = torch.arange(self.pages_per_block, device=blocks.device) < self.num_valid_pages[blocks, None]
+        valid = self.page_index < self.num_valid_pages[blocks, None]
         scores = page_scores.masked_fill(~valid, float("-inf")).amax(1)
         return [available[i] for i in select_top_blocks(scores, self.topk_blocks)]
