@@ -3,6 +3,8 @@
 
     python bench.py                      # random-weight Qwen3-0.6B-shaped checkpoint (created once)
     python bench.py --model DIR --compare-hf
+    python bench.py --tensor-parallel-size 2                           # spawns rank 1 itself
+    torchrun --nproc-per-node 2 bench.py --tensor-parallel-size 2      # one process per GPU
 """
 import argparse
 import json
@@ -37,7 +39,8 @@ def bench_nanovllm(args, prompts, params) -> dict:
     device = llm.config.device
     llm.shutdown()
     return {"engine": "nanovllm", "sequences": len(prompts), "output_tokens": tokens,
-            "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device}
+            "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device,
+            "tensor_parallel_size": args.tensor_parallel_size}
 
 
 def bench_hf(args, prompts, params) -> dict:
@@ -91,7 +94,8 @@ def main():
     if args.compare_hf:
         result["hf"] = bench_hf(args, prompts, params)
         result["speedup_vs_hf"] = round(result["tok_per_s"] / result["hf"]["tok_per_s"], 2)
-    print(json.dumps(result))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this script
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

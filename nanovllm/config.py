@@ -67,7 +67,8 @@ class Config:
         max_model_len: longest prompt + output in tokens; clamped to the model's
             ``max_position_embeddings``.
         gpu_memory_utilization: fraction of GPU memory this process may use, in (0, 1].
-        tensor_parallel_size: number of ranks (>= 1); must divide the head counts.
+        tensor_parallel_size: number of ranks (>= 1); must divide the head counts, and equal
+            WORLD_SIZE under torchrun.
         enforce_eager: disable CUDA graphs for decode.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: KV blocks to allocate; -1 sizes the cache from free memory.
@@ -181,6 +182,12 @@ class Config:
                              f"kvcache_block_size={self.kvcache_block_size}")
 
     def _check_tensor_parallel(self):
+        from nanovllm.engine.tp_worker import torchrun_rank
+
+        launch = torchrun_rank()
+        if launch is not None and launch.world_size != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must equal the "
+                             f"{launch.world_size} processes torchrun started (WORLD_SIZE)")
         cfg = self.hf_config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         for name, value in (("num_attention_heads", cfg.num_attention_heads),

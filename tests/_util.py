@@ -128,3 +128,26 @@ def random_qk(seq_q, seq_k, heads_q, heads_kv, dim, dtype=torch.float32, seed=0)
     k = torch.randn(seq_k, heads_kv, dim, generator=gen)
     k[torch.randint(0, seq_k, (max(1, seq_k // 40),), generator=gen)] *= 3.0
     return q.to(dtype), k.to(dtype)
+
+
+def run_torchrun(spec: dict, out_dir, nproc: int = 2, timeout: int = 900) -> list[list[list[int]]]:
+    """Run ``tests/_torchrun_generate.py`` under torchrun (``--standalone``: env:// rendezvous
+    on this host) with ``spec`` (see that script); returns each rank's token ids, rank order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec_path = os.path.join(out_dir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_generate.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", script, spec_path, str(out_dir)],
+                   check=True, env=env, timeout=timeout)
+    ranks = []
+    for rank in range(nproc):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks

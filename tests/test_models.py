@@ -11,7 +11,9 @@ import shutil
 import pytest
 import torch
 
-from _util import ARCHS, VOCAB_SIZE, build_llm, greedy, random_prompt, token_ids
+from _util import (ARCHS, ENGINE_DEFAULTS, VOCAB_SIZE, build_llm, greedy, random_prompt,
+                   run_torchrun, token_ids)
+from nanovllm import SamplingParams
 
 LOGITS_ATOL = 1e-4
 BLOCK_SIZE = 256
@@ -184,6 +186,30 @@ def test_tensor_parallel_2_equals_1(arch, request):
         assert len(workers) == 1
     assert ref_logits.shape == (100, VOCAB_SIZE)
     assert all(not w.is_alive() for w in workers)  # shutdown joined the worker process
+
+
+@pytest.mark.slow
+def test_tensor_parallel_under_torchrun(llama_tied_dir, tmp_path):
+    """torchrun with 2 gloo ranks (env:// rendezvous): every rank's generate returns TP=1's
+    tokens, the seeded sampled request included (rank 0 samples and broadcasts)."""
+    prompts = [random_prompt(n, seed=280 + n) for n in (5, 300, 520)]
+    params = [dict(temperature=0.0, max_tokens=12, ignore_eos=True),
+              dict(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7),
+              dict(temperature=0.0, max_tokens=3, ignore_eos=True)]
+    with build_llm(llama_tied_dir) as tp1:
+        ref = tp1.generate(prompts, [SamplingParams(**p) for p in params], use_tqdm=False)
+    spec = dict(model=str(llama_tied_dir), llm=ENGINE_DEFAULTS, prompts=prompts, params=params)
+    rank0, rank1 = run_torchrun(spec, tmp_path)
+    assert rank0 == token_ids(ref)
+    assert rank1 == rank0
+
+
+def test_tensor_parallel_size_must_match_torchrun(llama_tied_dir, monkeypatch):
+    for name, value in dict(TORCHELASTIC_RUN_ID="t", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                            LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1 must equal the 2 processes"):
+        build_llm(llama_tied_dir)
 
 
 def test_tensor_parallel_must_divide_heads(qwen2_dir):

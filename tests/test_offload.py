@@ -7,7 +7,7 @@ exercise the whole chunking, ring-slot and decode-buffer logic.
 import pytest
 import torch
 
-from _util import build_llm, generate_with_logits as _generate, random_prompt
+from _util import build_llm, generate_with_logits as _generate, greedy, random_prompt
 
 PROMPT_LENS = (1, 100, 255, 256, 257, 1000, 3000)
 MAX_MODEL_LEN = 3100
@@ -70,3 +70,18 @@ def test_offload_errors_name_the_limits(qwen3_dir):
         build_llm(qwen3_dir, enable_cpu_offload=True, sparse_policy="NOPE")
     with pytest.raises(ValueError, match="cpu_memory_utilization must be in"):
         build_llm(qwen3_dir, enable_cpu_offload=True, cpu_memory_utilization=0)
+
+
+@pytest.mark.slow
+def test_offload_tensor_parallel_2_equals_1(llama_tied_dir):
+    """Each gloo rank offloads its own KV-head shard; TP=2 gives TP=1's offload tokens,
+    through chunked prefill and a decode block that fills and moves to the host."""
+    prompts = [random_prompt(n, seed=290 + n) for n in (40, 700)]
+    opts = dict(max_model_len=1024, enable_cpu_offload=True, num_gpu_blocks=2, num_cpu_kvcache_blocks=8)
+    with build_llm(llama_tied_dir, **opts) as tp1:
+        ref, _ = _generate(tp1, prompts, 300)
+    with build_llm(llama_tied_dir, tensor_parallel_size=2, **opts) as tp2:
+        cpu_blocks = tp2.model_runner.num_kv_blocks
+        tokens = [o["token_ids"] for o in tp2.generate(prompts, greedy(300), use_tqdm=False)]
+    assert tokens == ref
+    assert cpu_blocks == 8

@@ -155,3 +155,23 @@ def test_finished_sequences_free_their_blocks_between_steps(llama3_dir):
         while not llm.is_finished():
             llm.step()
         assert bm.num_free_blocks == 8
+
+
+def test_sequence_pickles_as_its_step_for_workers():
+    """What rank 0 sends a spawned TP worker each step: the step's tokens and the fields that
+    build its inputs, nothing of the history (a decode step of a long sequence stays small)."""
+    import pickle
+
+    from nanovllm.engine.sequence import Sequence
+
+    seq = Sequence(list(range(10, 1010)), SamplingParams(temperature=0.5), 256)
+    seq.block_table, seq.num_cached_tokens, seq.decode_row = [7, 3, 9, 4], 256, 2
+    seq.num_computed_tokens, seq.num_scheduled_tokens = 999, 1
+    view = pickle.loads(pickle.dumps(seq))
+    assert len(view) == 1000 and view.last_token == 1009 and view.token_ids[999:1000] == [1009]
+    assert [getattr(view, f) for f in Sequence._WORKER_FIELDS] == [getattr(seq, f) for f in Sequence._WORKER_FIELDS]
+    with pytest.raises(IndexError, match="outside this step's window"):
+        view.token_ids[0:10]
+    assert len(pickle.dumps(seq)) < 300
+    seq.num_computed_tokens, seq.num_scheduled_tokens = 256, 512  # a prefill chunk
+    assert pickle.loads(pickle.dumps(seq)).token_ids[256:768] == list(range(266, 778))

@@ -12,7 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import free_port, new_shm_name
+from nanovllm.engine.tp_worker import free_port, new_shm_name, torchrun_rank
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -34,13 +34,31 @@ def eos_token_ids(model: str, tokenizer) -> list[int]:
 
 
 class LLMEngine:
-    """Offline inference engine (see :class:`nanovllm.LLM` for the arguments)."""
+    """Offline inference engine (see :class:`nanovllm.LLM` for the arguments).
+
+    With ``tensor_parallel_size > 1`` in a plain process, this process is rank 0 and spawns
+    the other ranks on this host. Under torchrun every rank builds its own engine with the same
+    arguments and must make the same calls; ``generate`` returns the same outputs on every rank.
+    """
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config(model, **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         config.eos_token_ids = eos_token_ids(model, self.tokenizer)
         self._workers, self._generators = [], {}
+        launch = torchrun_rank()
+        if launch is not None:
+            self.rank = launch.rank
+            self.model_runner = ModelRunner(config, launch.rank, local_rank=launch.local_rank)
+        else:
+            self.rank = 0
+            self.model_runner = self._spawn_ranks(config)
+        self.scheduler = self._make_scheduler()
+        self.vocab_size = config.hf_config.vocab_size
+        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers)
+
+    def _spawn_ranks(self, config: Config) -> ModelRunner:
+        """Start ranks 1..N-1 as processes on this host; return rank 0's runner."""
         channel, events, port = None, [], free_port()
         if config.tensor_parallel_size > 1:
             channel = new_shm_name()
@@ -51,10 +69,7 @@ class LLMEngine:
                 proc.start()
                 self._workers.append(proc)
                 events.append(event)
-        self.model_runner = ModelRunner(config, 0, channel, events, port)
-        self.scheduler = self._make_scheduler()
-        self.vocab_size = config.hf_config.vocab_size
-        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers)
+        return ModelRunner(config, 0, channel, events, port)
 
     def _make_scheduler(self) -> Scheduler:
         runner, cfg = self.model_runner, self.config
@@ -170,7 +185,8 @@ class LLMEngine:
 
     def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, dict]:
         results = {}
-        bar = tqdm(total=len(pending), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(pending), desc="Generating", dynamic_ncols=True,
+                   disable=not use_tqdm or self.rank > 0)
         prefill_tps = decode_tps = 0.0
         while pending - results.keys():
             t = time.perf_counter()

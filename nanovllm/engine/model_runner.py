@@ -1,8 +1,9 @@
 """Runs the model for a scheduled batch: builds inputs, owns the KV cache and CUDA graphs.
 
-One ModelRunner per tensor-parallel rank. Rank 0 lives in the user's process and drives the
-others through a :class:`RankChannel`; every public method that touches the model runs on all
-ranks with the same arguments.
+One ModelRunner per tensor-parallel rank; every public method that touches the model runs on
+all ranks with the same arguments. With spawned workers, rank 0 lives in the user's process and
+drives the others through a :class:`RankChannel`; under torchrun each rank's engine makes the
+same calls itself and rank 0's sampled tokens are broadcast (``tp_worker``).
 """
 import logging
 import os
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import RankChannel, init_process_group
+from nanovllm.engine.tp_worker import RankChannel, init_process_group, torchrun_rank
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.kvcache.offload_engine import OffloadEngine
 from nanovllm.kvcache.sparse import create_policy
@@ -31,14 +32,18 @@ _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class ModelRunner:
-    """Args: config, rank, and the channel to the other ranks (None when TP is 1)."""
+    """Args: config, rank, the channel to spawned workers (None when TP is 1 or under
+    torchrun) and the CUDA device index on this host (``local_rank``, default ``rank``)."""
 
     def __init__(self, config: Config, rank: int, channel_name: str | None = None,
-                 events=None, port: int = 0):
+                 events=None, port: int = 0, local_rank: int | None = None):
         self.config = config
         self.rank, self.world_size = rank, config.tensor_parallel_size
+        launch = torchrun_rank()
+        self.ranks_on_host = launch.local_world_size if launch else self.world_size
         self.block_size = config.kvcache_block_size
-        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        device_index = rank if local_rank is None else local_rank
+        self.device = torch.device("cuda", device_index) if config.device == "cuda" else torch.device("cpu")
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
@@ -48,9 +53,9 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.kv_cache = self.offload_engine = None
         self.graphs: DecodeGraphs | None = None
-        self.channel = RankChannel(channel_name, rank, events) if self.world_size > 1 else None
+        self.channel = RankChannel(channel_name, rank, events) if channel_name else None
         self.setup()
-        if rank > 0:
+        if self.channel is not None and rank > 0:
             self._worker_loop()
 
     # ---- setup -------------------------------------------------------------------------
@@ -91,7 +96,7 @@ class ModelRunner:
                 for _ in range(max(1, num_tokens // seq_len))]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+        self._run(seqs, True, None)  # every rank warms up itself: nothing goes to the channel
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
@@ -109,10 +114,7 @@ class ModelRunner:
             num_blocks = self._gpu_budget() // self.kv_block_bytes()
         else:
             num_blocks = self._cpu_budget() // self.kv_block_bytes()
-        if self.world_size > 1:
-            t = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
+        num_blocks = self._smallest_over_ranks(num_blocks)
         capacity = num_blocks * self.block_size
         if capacity < cfg.max_model_len:
             raise RuntimeError(
@@ -120,6 +122,21 @@ class ModelRunner:
                 f"than max_model_len={cfg.max_model_len}: not enough memory for one sequence "
                 f"(block = {self.kv_block_bytes()} bytes); lower max_model_len or give more memory")
         return num_blocks
+
+    def _smallest_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's ``value``: ranks size their caches from their own free
+        memory, but must hold the same blocks and rows, since one scheduler drives them all."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def _host_memory_share(self, fraction: float) -> int:
+        """Bytes of this host's available memory for this rank: ``fraction`` of it, split evenly
+        between the ranks on this host."""
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(available * fraction) // self.ranks_on_host
 
     def _gpu_budget(self) -> int:
         """Bytes for KV: this process's share of the GPU minus its own peak use (weights,
@@ -133,10 +150,9 @@ class ModelRunner:
         """Bytes for KV on CPU: enough for max_num_seqs full sequences, capped at a fraction of
         available host memory."""
         cfg = self.config
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         blocks_per_seq = -(-cfg.max_model_len // self.block_size)
         wanted = cfg.max_num_seqs * blocks_per_seq * self.kv_block_bytes()
-        return min(wanted, int(available * CPU_KV_MEMORY_FRACTION))
+        return min(wanted, self._host_memory_share(CPU_KV_MEMORY_FRACTION))
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         return [m for m in self.model.modules() if hasattr(m, "k_cache")]
@@ -158,7 +174,7 @@ class ModelRunner:
         fixed = (cfg.num_gpu_blocks + len(layers)) * row_bytes // len(layers) + row_bytes
         budget = self._gpu_budget() if self.device.type == "cuda" else self._cpu_budget()
         rows = (budget - fixed) // DECODE_BUFFER_SHARE // row_bytes
-        self.num_decode_rows = max(1, min(cfg.max_num_seqs, rows))
+        self.num_decode_rows = self._smallest_over_ranks(max(1, min(cfg.max_num_seqs, rows)))
         num_cpu_blocks = self._num_cpu_blocks()
         self.offload_engine = OffloadEngine(
             len(layers), layer.num_kv_heads, layer.head_dim, cfg.dtype, self.device,
@@ -179,9 +195,8 @@ class ModelRunner:
         if cfg.num_cpu_kvcache_blocks > 0:
             num_blocks = cfg.num_cpu_kvcache_blocks
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = int(available * cfg.cpu_memory_utilization) // self.kv_block_bytes()
-            num_blocks = min(budget, self.num_decode_rows * blocks_per_seq)
+            budget = self._host_memory_share(cfg.cpu_memory_utilization) // self.kv_block_bytes()
+            num_blocks = self._smallest_over_ranks(min(budget, self.num_decode_rows * blocks_per_seq))
         if num_blocks < blocks_per_seq:
             raise RuntimeError(
                 f"host KV cache of {num_blocks} blocks x {self.block_size} tokens cannot hold one "
@@ -376,19 +391,30 @@ class ModelRunner:
         reset_context()
         if self.offload_engine is not None and not is_prefill:
             self._offload_full_decode_blocks(seqs)
-        if self.rank > 0 or not sample_idx:
-            return [None] * len(seqs) if self.rank == 0 else []
+        if not sample_idx:
+            return [None] * len(seqs)
+        if self.channel is not None and self.rank > 0:
+            return []  # a spawned worker: rank 0 samples
         sampled_seqs = [seq for seq in seqs if not is_prefill or self._finishes_prefill(seq)]
-        params = [seq.sampling_params for seq in sampled_seqs]
-        temperatures, top_k, top_p = self._sampling_tensors(sampled_seqs)
-        rows = {row: generators[seq.seq_id] for row, seq in enumerate(sampled_seqs)
+        if self.rank == 0:
+            tokens = self._sample(logits, sampled_seqs, generators)
+        else:
+            tokens = torch.empty(len(sampled_seqs), dtype=torch.int64, device=self.device)
+        if self.world_size > 1 and self.channel is None:  # torchrun: all take rank 0's tokens
+            dist.broadcast(tokens, src=0)
+        tokens = iter(tokens.tolist())
+        return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
+                for seq in seqs]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], generators) -> torch.Tensor:
+        params = [seq.sampling_params for seq in seqs]
+        temperatures, top_k, top_p = self._sampling_tensors(seqs)
+        rows = {row: generators[seq.seq_id] for row, seq in enumerate(seqs)
                 if generators and seq.seq_id in generators}
         sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         needs_filter = any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows)
-        tokens = iter(self.sampler(logits, temperatures, top_k, top_p, rows, sampled_rows,
-                                   needs_filter, self.generator).tolist())
-        return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
-                for seq in seqs]
+        return self.sampler(logits, temperatures, top_k, top_p, rows, sampled_rows,
+                            needs_filter, self.generator)
 
     @staticmethod
     def _finishes_prefill(seq: Sequence) -> bool:

@@ -24,6 +24,9 @@ class _TokenWindow:
     def __len__(self):
         return self.length
 
+    def __reduce__(self):
+        return _token_window, (self.length, self.start, self.tokens)
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             start, stop, step = index.indices(self.length)
@@ -31,6 +34,12 @@ class _TokenWindow:
                 raise IndexError(f"tokens {start}:{stop} are outside this step's window")
             return self.tokens[start - self.start:stop - self.start]
         return self.tokens[index % self.length - self.start]
+
+
+def _token_window(length: int, start: int, tokens: list[int]) -> _TokenWindow:
+    window = _TokenWindow.__new__(_TokenWindow)
+    window.length, window.start, window.tokens = length, start, tokens
+    return window
 
 
 class Sequence:
@@ -61,12 +70,21 @@ class Sequence:
     def __len__(self):
         return len(self.token_ids)
 
+    # What a spawned tensor-parallel worker reads to build a step's inputs; it never samples.
+    _WORKER_FIELDS = ("seq_id", "num_prompt_tokens", "block_size", "block_table", "num_cached_tokens",
+                      "num_computed_tokens", "num_scheduled_tokens", "num_prefill_tokens", "decode_row")
+
     def __getstate__(self):
-        """Pickled for the TP workers each step: send only this step's tokens, not the history."""
-        state = self.__dict__.copy()
+        """Pickled for the spawned TP workers each step, on the step's critical path: only this
+        step's tokens (not the history) and the fields in ``_WORKER_FIELDS``, as a flat tuple."""
         start = self.num_computed_tokens
-        state["token_ids"] = _TokenWindow(self.token_ids, start, start + max(self.num_scheduled_tokens, 1))
-        return state
+        window = _TokenWindow(self.token_ids, start, start + max(self.num_scheduled_tokens, 1))
+        return window, *(getattr(self, name) for name in self._WORKER_FIELDS)
+
+    def __setstate__(self, state):
+        self.token_ids = state[0]
+        for name, value in zip(self._WORKER_FIELDS, state[1:]):
+            setattr(self, name, value)
 
     @property
     def is_finished(self) -> bool:

@@ -1,9 +1,15 @@
 """Tensor-parallel plumbing: process-group setup and rank 0 -> worker method calls.
 
-Rank 0 (the user's process) pickles ``(method, args)`` into a shared-memory buffer and sets one
-event per worker; each worker process loops, waiting on its event, then calls the same method on
-its own ModelRunner so all ranks run each forward together. Port and shared-memory name are
-chosen per engine, so two engines on one host never collide.
+Two launch modes:
+
+- Spawned workers (a plain ``python`` run): rank 0 is the user's process and starts ranks
+  1..N-1 on this host. Rank 0 pickles ``(method, args)`` into a shared-memory buffer and sets
+  one event per worker; each worker loops, waiting on its event, then calls the same method on
+  its own ModelRunner, so all ranks run each forward together. Port and shared-memory name are
+  chosen per engine, so two engines on one host never collide.
+- torchrun (env:// rendezvous, so ranks may live on several hosts): every rank runs the user's
+  script, builds the same engine and schedules the same steps; rank 0 samples and broadcasts
+  the tokens, so every rank's scheduler sees the same sequences (vLLM's "external launcher").
 """
 import os
 import pickle
@@ -11,6 +17,7 @@ import socket
 import uuid
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -28,10 +35,26 @@ def new_shm_name() -> str:
     return f"nanovllm_{os.getpid()}_{uuid.uuid4().hex[:12]}"
 
 
+class TorchrunRank(NamedTuple):
+    rank: int
+    local_rank: int  # the CUDA device index on this host
+    world_size: int
+    local_world_size: int  # ranks on this host (they share its memory)
+
+
+def torchrun_rank() -> TorchrunRank | None:
+    """This process's place when torchrun started it (``TORCHELASTIC_RUN_ID`` is set), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    env = os.environ
+    return TorchrunRank(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                        int(env["LOCAL_WORLD_SIZE"]))
+
+
 def init_process_group(device: str, rank: int, world_size: int, port: int):
     """NCCL on CUDA, gloo on CPU; env:// rendezvous when launched by torchrun."""
     backend = "nccl" if device == "cuda" else "gloo"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if torchrun_rank() is not None:
         dist.init_process_group(backend, init_method="env://")
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",

@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import linear_float32_out
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 
@@ -34,17 +35,6 @@ class VocabParallelEmbedding(nn.Module):
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
         dist.all_reduce(y)
         return y
-
-
-def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` as float32, whatever the input dtype: ``x [M, K]``, ``weight [N, K]`` ->
-    float32 ``[M, N]``. CUDA half inputs use cuBLAS's fp32-output GEMM (fp32 accumulation, no
-    rounding of the result to 16 bits); elsewhere the operands are upcast."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.linear(x, weight)
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        return torch.mm(x.reshape(-1, x.size(-1)), weight.t(), torch.float32).view(*x.shape[:-1], -1)
-    return F.linear(x.float(), weight.float())
 
 
 class ParallelLMHead(VocabParallelEmbedding):

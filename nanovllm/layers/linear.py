@@ -11,6 +11,17 @@ from torch import nn
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 
+def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as float32, whatever the input dtype: ``x [M, K]``, ``weight [N, K]`` ->
+    float32 ``[M, N]``. CUDA half inputs use cuBLAS's fp32-output GEMM (fp32 accumulation, no
+    rounding of the result to 16 bits); elsewhere the operands are upcast."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(x.reshape(-1, x.size(-1)), weight.t(), torch.float32).view(*x.shape[:-1], -1)
+    return F.linear(x.float(), weight.float())
+
+
 def _check_size(loaded: torch.Tensor, dim: int, expected: int):
     """A checkpoint tensor must have exactly the size the config implies (never sliced to fit)."""
     if loaded.size(dim) != expected:
@@ -99,19 +110,29 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs summed by all-reduce."""
+    """Input features split across ranks; partial outputs summed by all-reduce.
+
+    With more than one rank the partial products stay float32 through the all-reduce and are
+    rounded to the model's dtype once, after the bias, as a single GEMM rounds its float32
+    accumulator once: summing bfloat16 partials would round twice and move TP's activations a
+    bfloat16 step away from TP=1's (enough to change greedy tokens at near-ties). The price is
+    twice the all-reduce bytes.
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size()), output_size, bias, 1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        if loaded.dim() == 1:  # bias is not split; only rank 0 adds it
+        if loaded.dim() == 1:  # the bias is not split; it is added after the all-reduce
             param.data.copy_(loaded)
             return
         super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = linear_float32_out(x, self.weight)
+        dist.all_reduce(y)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)

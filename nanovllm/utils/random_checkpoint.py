@@ -7,6 +7,7 @@ word-level tokenizer is written beside them so the engine can load the directory
 import json
 import logging
 import os
+import shutil
 
 import torch
 
@@ -62,11 +63,16 @@ def make_random_checkpoint(shape: str, path: str, dtype: torch.dtype = torch.bfl
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp{os.getpid()}"  # per process: torchrun's ranks may all write it at once
     model.save_pretrained(tmp)
     write_word_tokenizer(tmp, min(config.vocab_size, 32000))
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": 0}, f)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
     logger.info("wrote random-weight %s checkpoint to %s", shape, path)
     return path
