@@ -86,6 +86,9 @@ def main():
     parser.add_argument("--hf-num-seqs", type=int, default=256, help="sequences given to HF")
     parser.add_argument("--hf-batch", type=int, default=64)
     args = parser.parse_args()
+    for name in ("max_input_len", "max_output_len"):
+        if getattr(args, name) < 100:  # lengths are drawn from [100, max]
+            parser.error(f"--{name.replace('_', '-')} must be >= 100, got {getattr(args, name)}")
     if args.model is None:
         cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
         args.model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))

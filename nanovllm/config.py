@@ -49,10 +49,11 @@ def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=T
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     ok_low = value >= low if low_inclusive else value > low
     if not ok_low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else (f">= {low}" if low_inclusive else f"> {low}")
-        if high is not None and not low_inclusive:
-            bound = f"({low}, {high}]"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
+        if high is None:
+            bound = f">= {low}" if low_inclusive else f"> {low}"
+        else:
+            bound = f"in [{low}, {high}]" if low_inclusive else f"in ({low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 @dataclass

@@ -132,7 +132,8 @@ def random_qk(seq_q, seq_k, heads_q, heads_kv, dim, dtype=torch.float32, seed=0)
 
 def run_torchrun(spec: dict, out_dir, nproc: int = 2, timeout: int = 900) -> list[list[list[int]]]:
     """Run ``tests/_torchrun_generate.py`` under torchrun (``--standalone``: env:// rendezvous
-    on this host) with ``spec`` (see that script); returns each rank's token ids, rank order."""
+    on this host) with ``spec`` (see that script); returns, in rank order, each rank's list of
+    its engines' token ids."""
     import json
     import os
     import subprocess

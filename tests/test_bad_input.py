@@ -67,6 +67,15 @@ def test_empty_string_as_single_prompt(llm):
         llm.generate("", greedy(1), use_tqdm=False)
 
 
+@pytest.mark.parametrize("prompt", [None, 2.5, {"ids": [1, 2]}], ids=["none", "float", "dict"])
+def test_prompt_of_the_wrong_type(llm, prompt):
+    with pytest.raises(ValueError, match=r"a prompt must be a string or a list of token ids, got"):
+        llm.generate([prompt], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"a prompt must be a string or a list of token ids, got"):
+        llm.add_request(prompt, greedy(1))
+    assert llm.is_finished()
+
+
 @pytest.mark.parametrize("bad_id", [VOCAB_SIZE, VOCAB_SIZE + 100, -1])
 def test_token_id_outside_vocab(llm, bad_id):
     prompt = [5, 6, bad_id, 7]

@@ -66,3 +66,42 @@ def test_engine_dropped_without_shutdown_is_collected(qwen3_dir, prompts):
     assert not finalizer.alive
     with LLM(qwen3_dir, **ENGINE_DEFAULTS) as again:
         assert len(again.generate(prompts[:1], greedy(2), use_tqdm=False)[0]["token_ids"]) == 2
+
+
+# ---- tensor-parallel ranks that fail ----------------------------------------------------
+
+@pytest.mark.slow
+def test_failed_tp_engine_leaves_nothing_behind(llama_tied_dir, prompts):
+    """A TP=2 engine that fails in setup (cache too small) stops its worker and frees its
+    process group, so the next TP=2 engine in the process starts and serves."""
+    with pytest.raises(RuntimeError, match="fewer than max_model_len=1024"):
+        LLM(llama_tied_dir, **{**ENGINE_DEFAULTS, "num_kvcache_blocks": 1, "tensor_parallel_size": 2})
+    with LLM(llama_tied_dir, **{**ENGINE_DEFAULTS, "tensor_parallel_size": 2}) as llm:
+        assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 3
+
+
+@pytest.mark.slow
+def test_dead_worker_is_an_error_not_a_hang(llama_tied_dir, prompts):
+    llm = LLM(llama_tied_dir, **{**ENGINE_DEFAULTS, "tensor_parallel_size": 2})
+    worker = llm._workers[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(prompts, greedy(4), use_tqdm=False)
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_spawned_tp_without_main_guard_fails_fast(llama_tied_dir, tmp_path):
+    """Spawned ranks re-import the main script; one built at module level dies at bootstrap,
+    and rank 0 says so instead of waiting for it forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    opts = {**ENGINE_DEFAULTS, "tensor_parallel_size": 2}
+    script.write_text(f"from nanovllm import LLM\nLLM({str(llama_tied_dir)!r}, **{opts!r})\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "tensor-parallel rank 1 exited with code 1 before joining" in result.stderr
+    assert "if __name__ == '__main__':" in result.stderr

@@ -191,16 +191,17 @@ def test_tensor_parallel_2_equals_1(arch, request):
 @pytest.mark.slow
 def test_tensor_parallel_under_torchrun(llama_tied_dir, tmp_path):
     """torchrun with 2 gloo ranks (env:// rendezvous): every rank's generate returns TP=1's
-    tokens, the seeded sampled request included (rank 0 samples and broadcasts)."""
+    tokens, the seeded sampled request included (rank 0 samples and broadcasts), and a second
+    engine in the same processes does too (the process group outlives the first)."""
     prompts = [random_prompt(n, seed=280 + n) for n in (5, 300, 520)]
     params = [dict(temperature=0.0, max_tokens=12, ignore_eos=True),
               dict(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7),
               dict(temperature=0.0, max_tokens=3, ignore_eos=True)]
     with build_llm(llama_tied_dir) as tp1:
         ref = tp1.generate(prompts, [SamplingParams(**p) for p in params], use_tqdm=False)
-    spec = dict(model=str(llama_tied_dir), llm=ENGINE_DEFAULTS, prompts=prompts, params=params)
+    spec = dict(model=str(llama_tied_dir), llm=ENGINE_DEFAULTS, prompts=prompts, params=params, engines=2)
     rank0, rank1 = run_torchrun(spec, tmp_path)
-    assert rank0 == token_ids(ref)
+    assert rank0 == [token_ids(ref)] * 2
     assert rank1 == rank0
 
 

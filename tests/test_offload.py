@@ -62,7 +62,7 @@ def test_decode_blocks_are_offloaded_and_read_back(llama_tied_dir):
 
 
 def test_offload_errors_name_the_limits(qwen3_dir):
-    with pytest.raises(ValueError, match="num_gpu_blocks must be in >= 2, got 1"):
+    with pytest.raises(ValueError, match="num_gpu_blocks must be >= 2, got 1"):
         build_llm(qwen3_dir, enable_cpu_offload=True, num_gpu_blocks=1)
     with pytest.raises(RuntimeError, match="cannot hold one sequence of max_model_len=1024"):
         build_llm(qwen3_dir, enable_cpu_offload=True, num_cpu_kvcache_blocks=2)

@@ -170,7 +170,7 @@ def test_huge_num_kvcache_blocks_names_the_option(qwen3_dir):
 
 def test_pin_offload_one_slot_and_tiny_host_cache(qwen3_dir):
     """pin: offload limits are checked with clear messages."""
-    with pytest.raises(ValueError, match=r"num_gpu_blocks must be in >= 2, got 1"):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 2, got 1"):
         build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=1)
     with pytest.raises(RuntimeError, match=r"host KV cache of 1 blocks.*max_model_len=512"):
         build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True,

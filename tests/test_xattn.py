@@ -342,6 +342,23 @@ def test_interpreted_bsa_random_mask_matches_reference(dtype, tol, causal):
 
 
 @interpreted_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dim, seq_q, seq_k", [(80, 200, 333), (64, 256, 256)])
+def test_interpreted_bsa_interior_and_edge_tiles(causal, dim, seq_q, seq_k):
+    """Blocks of 128 keys are two 64-key tiles: below a query tile's diagonal they run without
+    masks, on it and past the keys' end with them; head_dim 80 pads to 128 lanes (masked d),
+    and Sk - Sq = 133 puts the diagonal inside a tile."""
+    heads_q, heads_kv = 2, 1
+    q, k = random_qk(seq_q, seq_k, heads_q, heads_kv, dim, seed=9)
+    v = torch.randn(seq_k, heads_kv, dim)
+    mask = random_mask(heads_q, seq_q, seq_k, 128, 0.7, seed=9)
+    out, lse = block_sparse_attention(q, k, v, mask, 128, dim**-0.5, causal)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, 128, dim**-0.5, causal)
+    assert_close(out, ref_out, 1e-4)
+    assert_close(lse, ref_lse, 1e-5)
+
+
+@interpreted_only
 def test_interpreted_bsa_rows_without_keys():
     # Causal with Sq > Sk: the first 60 rows see no key.
     q, k = random_qk(100, 40, 2, 1, 64, seed=6)

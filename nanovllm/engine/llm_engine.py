@@ -12,7 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import free_port, new_shm_name, torchrun_rank
+from nanovllm.engine.tp_worker import new_shm_name, rendezvous_store, torchrun_rank, wait_for_workers
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -59,17 +59,32 @@ class LLMEngine:
 
     def _spawn_ranks(self, config: Config) -> ModelRunner:
         """Start ranks 1..N-1 as processes on this host; return rank 0's runner."""
-        channel, events, port = None, [], free_port()
+        channel, events, store = None, [], None
         if config.tensor_parallel_size > 1:
-            channel = new_shm_name()
+            channel, store = new_shm_name(), rendezvous_store(config.tensor_parallel_size)
             ctx = get_context("spawn")
             for rank in range(1, config.tensor_parallel_size):
                 event = ctx.Event()
-                proc = ctx.Process(target=ModelRunner, args=(config, rank, channel, event, port))
+                proc = ctx.Process(target=ModelRunner, args=(config, rank, channel, event, store.port))
                 proc.start()
                 self._workers.append(proc)
                 events.append(event)
-        return ModelRunner(config, 0, channel, events, port)
+        try:
+            if store is not None:
+                wait_for_workers(store, self._workers)
+            return ModelRunner(config, 0, channel, events, store=store)
+        except BaseException:
+            for proc in self._workers:
+                proc.terminate()
+                proc.join()
+            raise
+
+    def _check_workers(self):
+        """A spawned rank that died would leave the others waiting in a collective forever."""
+        for rank, proc in enumerate(self._workers, 1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                   f"{proc.exitcode}; shut this engine down and create a new LLM")
 
     def _make_scheduler(self) -> Scheduler:
         runner, cfg = self.model_runner, self.config
@@ -84,8 +99,10 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         elif hasattr(prompt, "tolist"):  # numpy array or tensor
             ids = prompt.tolist()
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         self._validate(ids)
         return ids
 
@@ -134,6 +151,7 @@ class LLMEngine:
         """Run one scheduled step. Returns the sequences finished in it and the number of
         tokens processed (positive for a prefill step, negative for decode, as nano-vLLM)."""
         self._check_open()
+        self._check_workers()
         if self.scheduler.is_finished():
             return [], 0
         seqs, is_prefill = self.scheduler.schedule()
@@ -243,6 +261,11 @@ def _check_params(index: int, params) -> None:
 
 
 def _shutdown(model_runner: ModelRunner, workers: list):
-    model_runner.call("exit")
+    if all(proc.is_alive() for proc in workers):
+        model_runner.call("exit")
+    else:  # a dead worker's event would block the send: stop the others instead
+        for proc in workers:
+            proc.terminate()
+        model_runner.exit()
     for proc in workers:
         proc.join()

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import RankChannel, init_process_group, torchrun_rank
+from nanovllm.engine.tp_worker import (RankChannel, destroy_process_group, init_process_group, join,
+                                       torchrun_rank)
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.kvcache.offload_engine import OffloadEngine
 from nanovllm.kvcache.sparse import create_policy
@@ -33,10 +34,11 @@ _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 class ModelRunner:
     """Args: config, rank, the channel to spawned workers (None when TP is 1 or under
-    torchrun) and the CUDA device index on this host (``local_rank``, default ``rank``)."""
+    torchrun), the rendezvous of a spawned engine (rank 0: its TCP ``store``; workers: the
+    store's ``port``) and the CUDA device index on this host (``local_rank``, default ``rank``)."""
 
-    def __init__(self, config: Config, rank: int, channel_name: str | None = None,
-                 events=None, port: int = 0, local_rank: int | None = None):
+    def __init__(self, config: Config, rank: int, channel_name: str | None = None, events=None,
+                 port: int = 0, local_rank: int | None = None, store=None):
         self.config = config
         self.rank, self.world_size = rank, config.tensor_parallel_size
         launch = torchrun_rank()
@@ -47,14 +49,21 @@ class ModelRunner:
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            init_process_group(config.device, rank, self.world_size, port)
-        self.model = self._build_model()
-        self.sampler = Sampler()
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.kv_cache = self.offload_engine = None
-        self.graphs: DecodeGraphs | None = None
-        self.channel = RankChannel(channel_name, rank, events) if channel_name else None
-        self.setup()
+            if channel_name and rank > 0:
+                store = join(port, rank, self.world_size)
+            init_process_group(config.device, rank, self.world_size, store)
+        self.channel = None
+        try:
+            self.model = self._build_model()
+            self.sampler = Sampler()
+            self.generator = torch.Generator(self.device).manual_seed(config.seed)
+            self.kv_cache = self.offload_engine = None
+            self.graphs: DecodeGraphs | None = None
+            self.channel = RankChannel(channel_name, rank, events) if channel_name else None
+            self.setup()
+        except BaseException:  # leave nothing behind, so that another engine can start
+            self._release_ranks()
+            raise
         if self.channel is not None and rank > 0:
             self._worker_loop()
 
@@ -246,13 +255,17 @@ class ModelRunner:
             if hasattr(m, "k_cache"):
                 m.k_cache = m.v_cache = torch.tensor([])
         self.kv_cache = self.offload_engine = None
-        if self.channel is not None:
-            self.channel.close()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        self._release_ranks()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _release_ranks(self):
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.world_size > 1:
+            destroy_process_group()
 
     # ---- inputs ------------------------------------------------------------------------
     def _tensor(self, data, dtype) -> torch.Tensor:

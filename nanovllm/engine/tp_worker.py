@@ -5,15 +5,16 @@ Two launch modes:
 - Spawned workers (a plain ``python`` run): rank 0 is the user's process and starts ranks
   1..N-1 on this host. Rank 0 pickles ``(method, args)`` into a shared-memory buffer and sets
   one event per worker; each worker loops, waiting on its event, then calls the same method on
-  its own ModelRunner, so all ranks run each forward together. Port and shared-memory name are
-  chosen per engine, so two engines on one host never collide.
+  its own ModelRunner, so all ranks run each forward together. Rank 0 waits for the workers
+  to join its TCP store, watching that they are alive. Port and shared-memory name are chosen
+  per engine, so two engines on one host never collide.
 - torchrun (env:// rendezvous, so ranks may live on several hosts): every rank runs the user's
   script, builds the same engine and schedules the same steps; rank 0 samples and broadcasts
   the tokens, so every rank's scheduler sees the same sequences (vLLM's "external launcher").
 """
 import os
 import pickle
-import socket
+import time
 import uuid
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
@@ -22,13 +23,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 SHM_SIZE = 1 << 22
-
-
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+JOIN_POLL_S = 0.05
 
 
 def new_shm_name() -> str:
@@ -51,14 +46,56 @@ def torchrun_rank() -> TorchrunRank | None:
                         int(env["LOCAL_WORLD_SIZE"]))
 
 
-def init_process_group(device: str, rank: int, world_size: int, port: int):
-    """NCCL on CUDA, gloo on CPU; env:// rendezvous when launched by torchrun."""
+def rendezvous_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's TCP store for a spawned engine, on a port the OS picks (``store.port``; the
+    workers get it as an argument), so two engines on one host never collide."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def wait_for_workers(store: dist.TCPStore, workers: list) -> None:
+    """Return once every spawned worker has called :func:`join`.
+
+    Raises:
+        RuntimeError: a worker exited first, naming its rank and exit code (e.g. a script that
+            builds the LLM without ``if __name__ == "__main__":``, which spawned processes need).
+    """
+    keys = [f"joined_{rank}" for rank in range(1, len(workers) + 1)]
+    while not store.check(keys):
+        for rank, proc in enumerate(workers, 1):
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited with code {proc.exitcode} before joining; spawned "
+                    f"ranks re-import the main script, so build the LLM under if __name__ == '__main__':")
+        time.sleep(JOIN_POLL_S)
+
+
+def join(port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """A spawned worker's side of the rendezvous: connect to rank 0's store and say so."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    store.set(f"joined_{rank}", "1")
+    return store
+
+
+def init_process_group(device: str, rank: int, world_size: int, store: dist.TCPStore | None):
+    """NCCL on CUDA, gloo on CPU, over a spawned engine's ``store``. Under torchrun: env://
+    rendezvous, once per process (the group outlives engines: torchrun's store keeps the first
+    group's keys, so a second rendezvous under the same name could read stale addresses)."""
     backend = "nccl" if device == "cuda" else "gloo"
     if torchrun_rank() is not None:
+        if dist.is_initialized():
+            if dist.get_backend() != backend:
+                raise RuntimeError(f"this torchrun process already has a {dist.get_backend()} process "
+                                   f"group; an engine on {device} needs {backend}")
+            return
         dist.init_process_group(backend, init_method="env://")
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                world_size=world_size, rank=rank)
+        dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+
+
+def destroy_process_group():
+    """Tear down a spawned engine's process group (torchrun's stays for the process's life)."""
+    if dist.is_initialized() and torchrun_rank() is None:
+        dist.destroy_process_group()
 
 
 class RankChannel:

@@ -82,20 +82,68 @@ def block_sparse_attention_ref(
 @triton.jit
 def _bsa_tile(
     q, k_head, v_head, n0, hi, q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < hi)."""
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1. MASKED: keys >= hi, rows with
+    q_pos < 0 and (if causal) keys past a row's position are masked; else every key of the tile
+    is visible to every row (an interior tile: no masks, plain loads)."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < hi
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_head + pos[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + pos[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)
+    k_ptrs = k_head + pos[:, None] * stride_ks + d[None, :]
+    v_ptrs = v_head + pos[:, None] * stride_vs + d[None, :]
+    if MASKED:
+        n_mask = pos < hi
+        k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    vis = n_mask[None, :] & (q_pos >= 0)[:, None]
-    if CAUSAL:
-        vis = vis & (pos[None, :] <= q_pos[:, None])
-    s = tl.where(vis, s, float("-inf"))
+    if MASKED:
+        vis = n_mask[None, :] & (q_pos >= 0)[:, None]
+        if CAUSAL:
+            vis = vis & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _bsa_span(
+    q, k_head, v_head, start, end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    """Tiles of keys start .. end - 1 (``end`` also bounds the last masked tile)."""
+    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _bsa_tile(q, k_head, v_head, n0, end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2,
+                                      stride_ks, stride_vs, BLOCK_N, CAUSAL, MASKED, EVEN_D, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _bsa_tile(q, k_head, v_head, n0, end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2,
+                                      stride_ks, stride_vs, BLOCK_N, CAUSAL, MASKED, EVEN_D, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _bsa_block(
+    q, k_head, v_head, lo, key_end, full_limit, q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks,
+    stride_vs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    """One kept key block [lo, lo + BLOCK_SIZE): its interior tiles (every key below
+    ``full_limit``, visible to every row of the query tile) unmasked, the rest masked."""
+    hi = tl.minimum(lo + BLOCK_SIZE, key_end)
+    full_end = lo + tl.maximum(tl.minimum(hi, full_limit) - lo, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _bsa_span(q, k_head, v_head, lo, full_end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2,
+                              stride_ks, stride_vs, BLOCK_N, CAUSAL, False, EVEN_D, DOT_PRECISION, WHILE_LOOP)
+    return _bsa_span(q, k_head, v_head, full_end, hi, q_pos, m_i, l_i, acc, d, d_mask, scale_log2,
+                     stride_ks, stride_vs, BLOCK_N, CAUSAL, True, EVEN_D, DOT_PRECISION, WHILE_LOOP)
 
 
 @triton.jit
@@ -122,29 +170,29 @@ def _bsa_kernel(
     count = tl.load(count_ptr + h * stride_ch + q_block)
     index_row = index_ptr + h * stride_ih + q_block * stride_iq
     key_end = seq_k + row0 * 0  # int64 like the causal bound
+    full_limit = key_end  # keys below it are visible to every row of this tile
     if CAUSAL:
         key_end = tl.minimum(key_end, offset + tl.minimum(row0 + BLOCK_M, seq_q))
+        full_limit = tl.minimum(key_end, offset + row0 + 1)
+    full_limit = tl.where(offset + row0 >= 0, full_limit, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    if WHILE_LOOP:
         n = count * 0
         while n < count:
             lo = tl.load(index_row + n).to(tl.int64) * BLOCK_SIZE
-            hi = tl.minimum(lo + BLOCK_SIZE, key_end)
-            n0 = lo
-            while n0 < hi:
-                m_i, l_i, acc = _bsa_tile(q, k_head, v_head, n0, hi, q_pos, m_i, l_i, acc, d, d_mask,
-                                          scale_log2, stride_ks, stride_vs, BLOCK_N, CAUSAL, DOT_PRECISION)
-                n0 += BLOCK_N
+            m_i, l_i, acc = _bsa_block(q, k_head, v_head, lo, key_end, full_limit, q_pos, m_i, l_i, acc, d,
+                                       d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE, BLOCK_N, CAUSAL,
+                                       EVEN_D, DOT_PRECISION, WHILE_LOOP)
             n += 1
     else:
         for n in range(0, count):
             lo = tl.load(index_row + n).to(tl.int64) * BLOCK_SIZE
-            hi = tl.minimum(lo + BLOCK_SIZE, key_end)
-            for n0 in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _bsa_tile(q, k_head, v_head, n0, hi, q_pos, m_i, l_i, acc, d, d_mask,
-                                          scale_log2, stride_ks, stride_vs, BLOCK_N, CAUSAL, DOT_PRECISION)
+            m_i, l_i, acc = _bsa_block(q, k_head, v_head, lo, key_end, full_limit, q_pos, m_i, l_i, acc, d,
+                                       d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE, BLOCK_N, CAUSAL,
+                                       EVEN_D, DOT_PRECISION, WHILE_LOOP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_os + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -218,7 +266,8 @@ def block_sparse_attention(
 
     CUDA: one Triton kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 64-key tiles, 8 warps,
     3 stages; D > 128: 64 x 32, 4 warps), FlashAttention-2 online softmax over the kept blocks
-    only, key tiles past the causal bound skipped; work is proportional to the kept blocks. The
+    only, key tiles past the causal bound skipped, interior tiles (below the tile's diagonal and
+    inside the keys) without masks; work is proportional to the kept blocks. The
     block list is compacted on the device (argsort of the mask), no host sync. CPU:
     :func:`block_sparse_attention_ref` (or the kernel under the interpreter).
     """

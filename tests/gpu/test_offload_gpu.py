@@ -1,10 +1,12 @@
-"""Offload exactness on the GPU: random-weight Llama-3.1-8B shape (32 layers), bf16.
+"""Offload exactness on the GPU: random-weight Llama-3.1-8B shape (32 layers).
 
 Greedy tokens of offload mode (2 and 4 ring slots, blocks of 1,024 and 4,096 tokens) must equal
 GPU-only mode for 64 decode steps after prompts of about 8K, 32K and 128K tokens whose lengths
-are not block multiples (measured on the H200: runs part from GPU-only at near-ties of the
-random-weight logits, see docs/offload.md); 20 repeated 32K runs (16 decode steps) with 2 slots
-must all be identical. Slow (about six minutes on the H200); run it on the device:
+are not block multiples, in bfloat16 (measured on the H200: runs part from GPU-only at
+near-ties of the random-weight logits, see docs/offload.md) and, at 8K and 32K, in float32,
+where the two attention orders (one pass over the prompt vs blocks merged by LSE) differ by
+~1e-6 and any differing token is an offload bug; 20 repeated 32K runs (16 decode steps) with
+2 slots must all be identical. Slow (about ten minutes on the H200); run it on the device:
 
     python -m pytest tests/gpu/test_offload_gpu.py -q
 """
@@ -42,41 +44,58 @@ def model_dir():
     return make_random_checkpoint("llama-3.1-8b", os.path.join(cache, "random-llama-3.1-8b"))
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """GPU-only greedy tokens of every prompt, each run alone."""
-    with LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1) as llm:
-        tokens = {name: _greedy(llm, _prompt(n)) for name, n in LENGTHS.items()}
-    gc.collect()
-    torch.cuda.empty_cache()
-    return tokens
+FLOAT32_LENGTHS = ("8k", "32k")  # float32 at 128K would take minutes per engine
+
+
+def _lengths(dtype: str) -> list[str]:
+    return list(LENGTHS) if dtype == "bfloat16" else list(FLOAT32_LENGTHS)
+
+
+_references: dict = {}
+
+
+def _reference(model_dir, dtype: str) -> dict:
+    """GPU-only greedy tokens of every prompt, each run alone (computed once per dtype)."""
+    if dtype not in _references:
+        _release_engines()
+        with LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, dtype=dtype) as llm:
+            _references[dtype] = {name: _greedy(llm, _prompt(LENGTHS[name])) for name in _lengths(dtype)}
+        gc.collect()
+        torch.cuda.empty_cache()
+    return _references[dtype]
 
 
 _engines: dict = {}
 
 
-def _offload_llm(model_dir, slots: int, block: int) -> LLM:
+def _release_engines():
+    for llm in _engines.values():
+        llm.shutdown()
+    _engines.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _offload_llm(model_dir, slots: int, block: int, dtype: str = "bfloat16") -> LLM:
     """One offload engine at a time (the previous one is shut down first)."""
-    key = (slots, block)
+    key = (slots, block, dtype)
     if key not in _engines:
-        for llm in _engines.values():
-            llm.shutdown()
-        _engines.clear()
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_engines()
         _engines[key] = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enable_cpu_offload=True,
-                            num_gpu_blocks=slots, kvcache_block_size=block,
+                            num_gpu_blocks=slots, kvcache_block_size=block, dtype=dtype,
                             num_cpu_kvcache_blocks=-(-MAX_MODEL_LEN // block))
     return _engines[key]
 
 
-CASES = [(slots, block, length) for slots in (2, 4) for block in (1024, 4096) for length in LENGTHS]
-"""Grouped by engine configuration, so each offload engine is built once."""
+CASES = [(dtype, slots, block, length) for dtype in ("float32", "bfloat16") for slots in (2, 4)
+         for block in (1024, 4096) for length in _lengths(dtype)]
+"""Grouped by dtype and engine configuration, so each engine is built once."""
 
 
-@pytest.mark.parametrize("slots,block,length", CASES)
-def test_offload_tokens_equal_gpu_only(model_dir, reference, slots, block, length):
-    llm = _offload_llm(model_dir, slots, block)
+@pytest.mark.parametrize("dtype,slots,block,length", CASES)
+def test_offload_tokens_equal_gpu_only(model_dir, dtype, slots, block, length):
+    reference = _reference(model_dir, dtype)
+    llm = _offload_llm(model_dir, slots, block, dtype)
     tokens = _greedy(llm, _prompt(LENGTHS[length]))
     assert tokens == reference[length], _divergence(llm, _prompt(LENGTHS[length]), tokens, reference[length])
 

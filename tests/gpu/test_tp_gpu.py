@@ -91,7 +91,7 @@ def test_torchrun_tp2_equals_tp1(tmp_path):
     opts = dict(max_model_len=2048, max_num_seqs=64, dtype=DTYPE)
     tp1 = _generate(model_dir, prompts, **opts)
     spec = dict(model=model_dir, llm=opts, prompts=prompts, params=[GREEDY] * NUM_PROMPTS)
-    rank0, rank1 = run_torchrun(spec, tmp_path)
+    (rank0,), (rank1,) = run_torchrun(spec, tmp_path)
     report = _report("torchrun", model_dir, prompts, tp1, rank0)
     assert rank0 == rank1
     assert tp1 == rank0, report
