@@ -47,3 +47,16 @@ def test_quest_with_all_blocks_equals_full(llama_tied_dir):
     sparse.shutdown()
     assert all(len(o) == 40 for o in out)
     assert sparse_bytes < full_bytes, "3 of up to 6 blocks must load less than FULL"
+
+
+def test_quest_tensor_parallel_selects_like_tp1(llama_tied_dir):
+    """Each rank scores blocks with its own query heads; the ranks take the maximum over all of
+    them (all-reduce), so TP=2 selects TP=1's blocks and gives its tokens."""
+    prompts = [random_prompt(n, seed=300 + n) for n in (1300, 1500)]
+    opts = dict(max_model_len=1536, enable_cpu_offload=True, num_gpu_blocks=2, num_cpu_kvcache_blocks=16,
+                sparse_policy="QUEST", sparse_topk_blocks=1, sparse_threshold_blocks=2)
+    with build_llm(llama_tied_dir, **opts) as tp1:
+        ref, _ = _run(tp1, prompts, 30)
+    with build_llm(llama_tied_dir, tensor_parallel_size=2, **opts) as tp2:
+        out = [o["token_ids"] for o in tp2.generate(prompts, greedy(30), use_tqdm=False)]
+    assert out == ref

@@ -86,6 +86,19 @@ def test_lower_threshold_is_sparse_in_both_modes(qwen3_dir, prompts):
     assert offload[0] == gpu_only[0]
 
 
+@pytest.mark.slow
+def test_tensor_parallel_masks_like_tp1(qwen3_dir, prompts):
+    """Estimation and selection are per head, so each rank's share of the heads gets TP=1's
+    masks: TP=2 gives TP=1's sparse tokens, offload and GPU-only."""
+    sparse = dict(sparse_policy="XATTN_BSA", sparse_threshold=0.5)
+    for mode in (dict(num_gpu_blocks=2, **OFFLOAD), {}):
+        tp1 = _run(qwen3_dir, prompts, **sparse, **mode)
+        with build_llm(qwen3_dir, **COMMON, **sparse, **mode, tensor_parallel_size=2) as tp2:
+            tokens = [o["token_ids"] for o in tp2.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)]
+        assert 0.0 < tp1[2]["prefill"]["density"] < 1.0
+        assert tokens == tp1[0]
+
+
 # ---------------------------------------------------------------- the offload policy, unit level
 BLOCK, HEADS_Q, HEADS_KV, DIM = 256, 4, 2, 32
 

@@ -12,11 +12,15 @@ head may need is ranked high: blocks are loaded for all heads at once, and a bou
 one are loaded, plus the ``topk_blocks`` best-scoring blocks between them (the budget is not
 spent on blocks that are loaded anyway: on long prompts they rank first).
 Prefill through QUEST is full attention. Selection reads the scores on the host (one sync per
-layer and decode step): loads cannot be issued before the layer's query exists anyway.
+layer and decode step): loads cannot be issued before the layer's query exists anyway. With
+tensor parallelism each rank holds a share of the heads; the block scores are all-reduced (max)
+so that every rank selects the blocks TP=1 would.
 """
 import torch
+import torch.distributed as dist
 
 from nanovllm.kvcache.sparse.policy import PolicyContext, SparsePolicy
+from nanovllm.utils.distributed import tp_size
 
 
 QUEST_PAGE_SIZE = 16
@@ -119,4 +123,6 @@ class QuestPolicy(SparsePolicy):
         page_scores = page_scores.view(len(available), self.pages_per_block)
         valid = self.page_index < self.num_valid_pages[blocks, None]
         scores = page_scores.masked_fill(~valid, float("-inf")).amax(1)
+        if tp_size() > 1:  # this rank's heads -> all heads: every rank selects TP=1's blocks
+            dist.all_reduce(scores, op=dist.ReduceOp.MAX)
         return [available[i] for i in select_top_blocks(scores, self.topk_blocks)]
