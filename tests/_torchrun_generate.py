@@ -4,9 +4,11 @@
         tests/_torchrun_generate.py SPEC.json OUT_DIR
 
 SPEC.json: ``{"model": DIR, "llm": {LLM kwargs}, "prompts": [[ids]], "params": [{SamplingParams
-kwargs}], "engines": N (default 1)}``. Every rank builds ``LLM(model,
-tensor_parallel_size=WORLD_SIZE, **llm)``, generates and shuts it down, N times one after the
-other, and writes each engine's outputs' token ids to ``OUT_DIR/rank<RANK>.json`` (a list of N).
+kwargs}], "engines": N (default 1), "rank_prompts": {rank: [[ids]]} (optional, replaces
+"prompts" on that rank)}``. Every rank builds ``LLM(model, tensor_parallel_size=WORLD_SIZE,
+**llm)``, generates and shuts it down, N times one after the other, and writes each engine's
+outputs' token ids to ``OUT_DIR/rank<RANK>.json`` (a list of N), or ``{"error": message}`` if
+generate raised a RuntimeError.
 """
 import json
 import os
@@ -20,13 +22,17 @@ def main():
     with open(spec_path) as f:
         spec = json.load(f)
     params = [SamplingParams(**p) for p in spec["params"]]
-    world_size = int(os.environ["WORLD_SIZE"])
-    runs = []
-    for _ in range(spec.get("engines", 1)):
-        with LLM(spec["model"], tensor_parallel_size=world_size, **spec["llm"]) as llm:
-            runs.append([o["token_ids"] for o in llm.generate(spec["prompts"], params, use_tqdm=False)])
-    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(runs, f)
+    world_size, rank = int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
+    prompts = spec.get("rank_prompts", {}).get(rank, spec["prompts"])
+    result = []
+    try:
+        for _ in range(spec.get("engines", 1)):
+            with LLM(spec["model"], tensor_parallel_size=world_size, **spec["llm"]) as llm:
+                result.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+    except RuntimeError as err:
+        result = {"error": str(err)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

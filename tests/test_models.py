@@ -205,6 +205,17 @@ def test_tensor_parallel_under_torchrun(llama_tied_dir, tmp_path):
     assert rank1 == rank0
 
 
+@pytest.mark.slow
+def test_torchrun_ranks_with_different_prompts_raise(llama_tied_dir, tmp_path):
+    """Ranks that pass different prompts would silently all get rank 0's outputs (or hang in a
+    mismatched collective): every rank raises instead."""
+    prompts = [random_prompt(40, seed=285)]
+    spec = dict(model=str(llama_tied_dir), llm=ENGINE_DEFAULTS, prompts=prompts,
+                params=[dict(temperature=0.0, max_tokens=4)], rank_prompts={"1": [random_prompt(40, seed=286)]})
+    for result in run_torchrun(spec, tmp_path):
+        assert "arguments differ between ranks" in result["error"]
+
+
 def test_tensor_parallel_size_must_match_torchrun(llama_tied_dir, monkeypatch):
     for name, value in dict(TORCHELASTIC_RUN_ID="t", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
                             LOCAL_WORLD_SIZE="2").items():

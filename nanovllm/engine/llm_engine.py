@@ -12,7 +12,8 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import new_shm_name, rendezvous_store, torchrun_rank, wait_for_workers
+from nanovllm.engine.tp_worker import (check_same_calls, new_shm_name, rendezvous_store, torchrun_rank,
+                                       wait_for_workers)
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -130,8 +131,15 @@ class LLMEngine:
                 vocabulary. RuntimeError: the prompt cannot fit in the KV cache.
         """
         self._check_open()
+        self._check_same_calls(prompt, sampling_params)
         _check_params(0, sampling_params)
         return self._add(self._token_ids(prompt), sampling_params)
+
+    def _check_same_calls(self, prompts, sampling_params):
+        """torchrun: the ranks' arguments must agree (checked before anything can raise on one
+        rank only, which would leave the others waiting in a collective)."""
+        if torchrun_rank() is not None and self.config.tensor_parallel_size > 1:
+            check_same_calls(repr((_as_lists(prompts), sampling_params)).encode(), self.model_runner.device)
 
     def _check_open(self):
         if not self._finalizer.alive:
@@ -178,6 +186,7 @@ class LLMEngine:
         the value and the limit) and leaves the engine serving what it already had.
         """
         self._check_open()
+        self._check_same_calls(prompts, sampling_params)
         if isinstance(prompts, str) or (prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None:
@@ -253,6 +262,15 @@ class LLMEngine:
         collected and at interpreter exit); the engine cannot be used after."""
         self._finalizer()
         self.__dict__.pop("model_runner", None)
+
+
+def _as_lists(prompts):
+    """Arrays and tensors as lists, whose repr shows every id (an array's repr elides)."""
+    if hasattr(prompts, "tolist"):
+        return prompts.tolist()
+    if isinstance(prompts, (list, tuple)):
+        return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
+    return prompts
 
 
 def _check_params(index: int, params) -> None:

@@ -20,7 +20,9 @@ from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
+import xxhash
 
 SHM_SIZE = 1 << 22
 JOIN_POLL_S = 0.05
@@ -90,6 +92,22 @@ def init_process_group(device: str, rank: int, world_size: int, store: dist.TCPS
         dist.init_process_group(backend, init_method="env://")
     else:
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+
+
+def check_same_calls(payload: bytes, device) -> None:
+    """Under torchrun every rank runs its own engine and must make the same calls with the same
+    arguments; compare a 63-bit xxhash of ``payload`` (the call's arguments) across ranks with
+    one all-reduce.
+
+    Raises:
+        RuntimeError: the ranks' payloads differ (on every rank, so none is left waiting).
+    """
+    digest = xxhash.xxh64_intdigest(payload) >> 1
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)  # [max digest, -min digest]
+    if bounds[0].item() != -bounds[1].item():
+        raise RuntimeError("under torchrun every rank must make the same calls with the same prompts "
+                           "and sampling params, but this call's arguments differ between ranks")
 
 
 def destroy_process_group():
