@@ -15,6 +15,7 @@ import os
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.divergence import first_difference, parting
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 
@@ -29,15 +30,12 @@ def generate(model: str, batch, params, tp: int, **opts) -> list[list[int]]:
         return [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
 
 
-def parting(llm, prompt, ours, theirs) -> dict | None:
-    """First step where ``theirs`` differs from ``ours`` and the logit gap there (ours' logits)."""
-    step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if step is None:
+def report_parting(llm, prompt, ours, theirs) -> dict | None:
+    """First step where TP=2's tokens differ from TP=1's and the logit gap there (TP=1's logits)."""
+    p = parting(llm, prompt, ours, theirs)
+    if p is None:
         return None
-    logits = llm.model_runner.forward_logits(prompt + ours[:step], last=1)[0]
-    gap = (logits[ours[step]] - logits[theirs[step]]).item()
-    rank = int((logits > logits[theirs[step]]).sum().item())
-    return {"step": step, "logit_gap": round(gap, 5), "tp2_token_rank_in_tp1": rank}
+    return {"step": p["step"], "logit_gap": round(p["logit_gap"], 5), "tp2_token_rank_in_tp1": p["theirs_rank"]}
 
 
 def main():
@@ -55,8 +53,9 @@ def main():
     tp2 = generate(model, batch, params, 2, **opts)
     with LLM(model, **opts) as llm:
         tp1 = [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
-        partings = [parting(llm, p, a, b) for p, a, b in zip(batch, tp1, tp2)]
-    same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tp1, tp2))
+        partings = [report_parting(llm, p, a, b) for p, a, b in zip(batch, tp1, tp2)]
+    firsts = [first_difference(x, y) for x, y in zip(tp1, tp2)]
+    same = sum(len(x) if step is None else step for x, step in zip(tp1, firsts))
     print(json.dumps({"shape": args.shape, "dtype": args.dtype, "prompts": len(batch),
                       "max_tokens": args.max_tokens, "identical_prompts": sum(p is None for p in partings),
                       "tokens_before_first_difference": same, "tokens": len(batch) * args.max_tokens,

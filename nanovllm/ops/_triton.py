@@ -20,6 +20,14 @@ except ImportError:
     tl = types.SimpleNamespace(constexpr=None)
     HAS_TRITON = False
 
+LOG2E = 1.4426950408889634
+"""log2(e): kernels run softmax in base 2 (``exp2``), so scales are multiplied by it."""
+LN2 = 0.6931471805599453
+"""ln(2): turns a base-2 log-sum-exp back into the natural log (kernels write it as a literal:
+Triton kernels cannot read module globals)."""
+MIN_DOT_ROWS = 16
+"""tl.dot needs at least 16 rows: a GQA group of q heads is padded to it."""
+
 MAX_HEAD_DIM = 256
 """Largest head_dim any op accepts (Triton tiles pad head_dim to a power of two <= this)."""
 
@@ -50,6 +58,10 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (>= 1)"
         )
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 def next_pow2(n: int) -> int:

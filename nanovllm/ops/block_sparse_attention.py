@@ -13,9 +13,8 @@ takes the block list directly with no BlockMask conversion per call.
 
 import torch
 
-from ._triton import block_dim, cdiv, check_gqa, check_head_dim, online_softmax_step, tl, triton, use_triton
-
-_LOG2E = 1.4426950408889634
+from ._triton import (LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, online_softmax_step, tl, triton,
+                      use_triton)
 
 
 def _check_args(q, k, v, mask, block_size) -> None:
@@ -26,7 +25,7 @@ def _check_args(q, k, v, mask, block_size) -> None:
         )
     check_gqa(q.shape[1], k.shape[1])
     check_head_dim(q.shape[2])
-    if block_size < 16 or block_size & (block_size - 1) or block_size > 1024:
+    if not is_pow2(block_size) or not 16 <= block_size <= 1024:
         raise ValueError(f"block_size={block_size} must be a power of two in 16..1024")
     expected = (q.shape[1], cdiv(q.shape[0], block_size), cdiv(k.shape[0], block_size))
     if mask.dtype != torch.bool or tuple(mask.shape) != expected:
@@ -222,7 +221,7 @@ def _bsa_triton(q, k, v, mask, block_size, scale, causal):
     block_m, block_n = min(block_m, block_size), min(block_n, block_size)
     count, index = _block_lists(mask)
     _bsa_kernel[(cdiv(seq_q, block_m), heads_q)](
-        q, k, v, count, index, out, lse, seq_q, seq_k, seq_k - seq_q, scale * _LOG2E,
+        q, k, v, count, index, out, lse, seq_q, seq_k, seq_k - seq_q, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         count.stride(0), index.stride(0), index.stride(1), lse.stride(0),
         GROUP=heads_q // heads_kv, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m,

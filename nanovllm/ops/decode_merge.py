@@ -10,15 +10,15 @@ launch, which keeps the host ahead of the copy engine.
 
 import torch
 
-from ._triton import block_dim, check_gqa, check_head_dim, online_softmax_step, tl, triton, use_triton
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, online_softmax_step, tl, triton,
+                      use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 
-_BLOCK_G = 16
-"""q heads per program (a GQA group padded to 16, tl.dot's minimum)."""
+_BLOCK_G = MIN_DOT_ROWS
+"""q heads per program (a GQA group, padded)."""
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-_LOG2E = 1.4426950408889634
 
 
 def _check_args(q, k, v, out, lse) -> None:
@@ -138,7 +138,7 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     block_d = block_dim(dim)
     _decode_attend_merge_kernel[(heads_kv, triton.cdiv(group, _BLOCK_G))](
-        q, k, v, out, lse, k.shape[0], softmax_scale * _LOG2E,
+        q, k, v, out, lse, k.shape[0], softmax_scale * LOG2E,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=_BLOCK_N if block_d <= 128 else _BLOCK_N // 2,

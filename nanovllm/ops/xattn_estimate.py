@@ -16,13 +16,7 @@ block ``c`` is key positions ``c*block_size ..``; the last block of each may be 
 
 import torch
 
-from ._triton import block_dim, cdiv, check_gqa, check_head_dim, tl, triton, use_triton
-
-_LOG2E = 1.4426950408889634
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
+from ._triton import LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, tl, triton, use_triton
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
@@ -32,13 +26,13 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
         )
     check_gqa(q.shape[1], k.shape[1])
     check_head_dim(q.shape[2])
-    if not _is_pow2(stride) or stride > 64:
+    if not is_pow2(stride) or stride > 64:
         raise ValueError(f"stride={stride} must be a power of two in 1..64")
 
 
 def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
     _check_qk(q, k, stride)
-    if not _is_pow2(block_size) or block_size < stride or block_size > 1024:
+    if not is_pow2(block_size) or block_size < stride or block_size > 1024:
         raise ValueError(
             f"block_size={block_size} must be a power of two in stride={stride}..1024"
         )
@@ -284,7 +278,7 @@ def _launch_row_stats(q, k, stride, block_size, scale, causal, offset):
     config = _launch_config(q, stride, block_size, causal)
     grid = (cdiv(n_qs, config["BLOCK_M"]), q.shape[1])
     _xattn_stats_kernel[grid](
-        q, k, m_buf, l_buf, q.shape[0], k.shape[0], n_qs, n_ks, offset, scale / stride * _LOG2E,
+        q, k, m_buf, l_buf, q.shape[0], k.shape[0], n_qs, n_ks, offset, scale / stride * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0),
         GROUP=q.shape[1] // k.shape[1], **config,
     )
@@ -304,7 +298,7 @@ def _launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, of
     config = _launch_config(q, stride, block_size, causal)
     n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
     _xattn_block_sum_kernel[(cdiv(n_qs, config["BLOCK_M"]), q.shape[1])](
-        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale / stride * _LOG2E,
+        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale / stride * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
         GROUP=q.shape[1] // k.shape[1], TILE=block_size // stride, **config,
     )

@@ -23,9 +23,8 @@ per pass. GPU-only prefill bounds its memory by estimating ``chunk_size`` query 
 
 import torch
 
-from ._triton import cdiv, use_triton
+from ._triton import LN2, LOG2E, cdiv, use_triton
 from .xattn_estimate import (
-    _LOG2E,
     _check_estimate_args,
     _check_qk,
     _launch_block_sums,
@@ -34,8 +33,6 @@ from .xattn_estimate import (
     normalise_block_rows,
     xattn_select_blocks,
 )
-
-_LN2 = 0.6931471805599453
 
 
 def _offset(q: torch.Tensor, k: torch.Tensor, offset: int | None) -> int:
@@ -111,7 +108,7 @@ def xattn_row_stats(
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_row_stats_ref(q, k, stride, scale, causal, offset)
     m_log2, row_sumexp = _launch_row_stats(q, k, stride, stride, scale, causal, _offset(q, k, offset))
-    return m_log2 * _LN2, row_sumexp
+    return m_log2 * LN2, row_sumexp
 
 
 def merge_row_stats(
@@ -182,7 +179,7 @@ def xattn_block_sums(
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q):
         return xattn_block_sums_ref(q, k, row_max, row_sumexp, stride, block_size, scale, causal, offset)
-    m_log2 = torch.where(row_sumexp > 0, row_max.float() * _LOG2E, float("-inf"))
+    m_log2 = torch.where(row_sumexp > 0, row_max.float() * LOG2E, float("-inf"))
     return _launch_block_sums(q, k, m_log2, row_sumexp.float(), stride, block_size, scale, causal,
                               _offset(q, k, offset))
 

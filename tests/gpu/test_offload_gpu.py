@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.divergence import parting
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -103,11 +104,9 @@ def test_offload_tokens_equal_gpu_only(model_dir, dtype, slots, block, length):
 def _divergence(llm, prompt, tokens, ref) -> str:
     """Where two greedy runs part, and how close the two tokens' logits were there (full
     forward pass over the common prefix, no KV cache)."""
-    step = next(i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b)
-    logits = llm.model_runner.forward_logits(prompt + ref[:step], last=1)[0]
-    top2 = logits.topk(2)
-    return (f"first differing decode step {step}: offload {tokens[step]} (logit {logits[tokens[step]]:.4f}), "
-            f"GPU-only {ref[step]} (logit {logits[ref[step]]:.4f}); top-2 logits {top2.values.tolist()}")
+    p = parting(llm, prompt, ref, tokens)
+    return (f"first differing decode step {p['step']}: offload {p['theirs']} (logit {p['logit_theirs']:.4f}), "
+            f"GPU-only {p['ours']} (logit {p['logit_ours']:.4f}); top-2 logits {p['top2']}")
 
 
 def test_repeated_32k_runs_are_identical(model_dir):

@@ -16,6 +16,7 @@ import torch
 
 from _util import run_torchrun
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.divergence import first_difference
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
@@ -52,7 +53,7 @@ def _generate(model_dir: str, prompts, **kwargs) -> list[list[int]]:
 
 def _report(name: str, model_dir: str, prompts, tp1, tp2) -> dict:
     """First differing step per prompt (None when equal), written to $OUT/tp_<name>.json."""
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tp1, tp2)]
+    first = [first_difference(x, y) for x, y in zip(tp1, tp2)]
     report = {"test": name, "model": os.path.basename(model_dir), "prompts": len(prompts),
               "prompt_lens": [len(p) for p in prompts], "max_tokens": MAX_TOKENS,
               "identical": tp1 == tp2, "first_difference": first}

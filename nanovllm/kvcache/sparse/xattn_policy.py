@@ -28,14 +28,14 @@ import torch
 
 from nanovllm.kvcache.sparse.policy import PolicyContext, SparsePolicy
 from nanovllm.ops import block_sparse_attention, gather_kvcache, prefill_attention, xattn_select_blocks
-from nanovllm.ops._triton import cdiv
+from nanovllm.ops._triton import cdiv, is_pow2
 from nanovllm.ops.xattn_estimate import normalise_block_rows
 from nanovllm.ops.xattn_streamed import merge_row_stats, xattn_block_mask, xattn_block_sums, xattn_row_stats
 from nanovllm.sampling_params import is_integer
 
 
 def _is_pow2(n) -> bool:
-    return is_integer(n) and n >= 1 and n & (n - 1) == 0
+    return is_integer(n) and is_pow2(n)
 
 
 def check_xattn_params(threshold, stride, block_size, chunk_size) -> None:
