@@ -285,10 +285,19 @@ def test_bsa_bad_arguments():
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreter)
+@pytest.fixture
+def nan_filled_empty(monkeypatch):
+    """torch.empty / torch.empty_like return NaN-filled tensors, so a kernel that reads a buffer
+    entry no kernel wrote shows up as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(math.nan))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(math.nan))
+
+
 @interpreted_only
 @pytest.mark.parametrize("case", SCORE_CASES + [(256, 256, 2, 1, 64, 16, 128, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreted_block_scores_match_reference(case, dtype):
+def test_interpreted_block_scores_match_reference(case, dtype, nan_filled_empty):
     seq_q, seq_k, hq, hkv, dim, stride, block, causal = case
     q, k = random_qk(seq_q, seq_k, hq, hkv, dim, dtype=dtype, seed=7)
     got = xattn_block_scores(q, k, stride, block, dim**-0.5, causal)
@@ -302,6 +311,37 @@ def test_interpreted_block_scores_match_reference(case, dtype):
                 xattn_select_blocks(got, threshold, causal, **lengths),
                 xattn_select_blocks(ref, threshold, causal, **lengths),
             )
+
+
+def rising_qk(seq_q, seq_k, heads_q, heads_kv, dim, seed=11):
+    """q and k whose strided scores grow with the key position (k gains ``8 * pos / Sk`` along a
+    direction every query leans towards): each row's max sits in its last visible key tile while
+    the earlier tiles keep a sizeable share of the probability, so a wrong rescale shows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq_q, heads_q, dim, generator=gen)
+    k = torch.randn(seq_k, heads_kv, dim, generator=gen)
+    u = torch.nn.functional.normalize(torch.randn(dim, generator=gen), dim=0)
+    rise = 8.0 * torch.arange(seq_k) / seq_k
+    return q + 3.0 * u, k + rise[:, None, None] * u
+
+
+@interpreted_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "seq_q, seq_k, stride, block",
+    # 3 key tiles of 128 strided keys per row (TILE 8); 3 tiles of 256 (TILE 256: one query
+    # block spans 3 programs of 64 rows); 3 tiles of 128 with one strided key per block (TILE 1).
+    [(301, 1103, 4, 32), (301, 1103, 2, 512), (301, 4500, 16, 16)],
+)
+def test_interpreted_block_scores_rescale_across_key_tiles(causal, seq_q, seq_k, stride, block,
+                                                          nan_filled_empty):
+    q, k = rising_qk(seq_q, seq_k, 4, 2, 80)
+    got = xattn_block_scores(q, k, stride, block, 80**-0.5, causal)
+    ref = xattn_block_scores_ref(q, k, stride, block, 80**-0.5, causal)
+    assert_close(got, ref, 1e-5)
+    visible, _ = block_layout(*got.shape[1:], causal, block, seq_q, seq_k)
+    assert (got[:, ~visible] == 0).all()
+    assert torch.allclose(got.sum(-1), torch.ones(got.shape[:2]), atol=1e-5)
 
 
 @interpreted_only
@@ -381,4 +421,4 @@ def test_interpreted_xattn_pipeline_end_to_end():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=25)
+    run_interpreted_tests(__file__, min_passed=35)

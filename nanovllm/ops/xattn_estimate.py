@@ -16,7 +16,7 @@ block ``c`` is key positions ``c*block_size ..``; the last block of each may be 
 
 import torch
 
-from ._triton import LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, tl, triton, use_triton
+from ._triton import LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, next_pow2, tl, triton, use_triton
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
@@ -69,6 +69,7 @@ def xattn_block_scores_ref(
     block_size: int = 128,
     scale: float | None = None,
     causal: bool = True,
+    offset: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`xattn_block_scores` (same arguments and result).
 
@@ -85,7 +86,8 @@ def xattn_block_scores_ref(
     out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     if seq_q == 0 or seq_k == 0:
         return out
-    q_str, k_str, visible = _strided_layout(q, k, stride, causal, seq_k - seq_q)
+    offset = seq_k - seq_q if offset is None else int(offset)
+    q_str, k_str, visible = _strided_layout(q, k, stride, causal, offset)
     n_qs, n_ks = visible.shape
     any_visible = visible.any(-1, keepdim=True)
     for h in range(heads_q):
@@ -146,6 +148,31 @@ def _key_end(r0, n_qs, n_ks, offset, STRIDE: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _scaled_tile_scores(
+    q_head, k_head, r, j, seq_q, seq_k, n_ks, offset, scale_log2, d, d_mask, stride_qs, stride_ks,
+    STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Step 2 for one tile: ``A[r, j]`` in log2 units (scores * scale / S * log2(e)), -inf where
+    hidden; fp32 [BLOCK_M, BLOCK_N]."""
+    s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+                        STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
+    return tl.where(_strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL), s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_tile(s, m_i, l_i):
+    """FlashAttention-2's online-softmax statistics over one more tile ``s`` [M, N] (log2 units,
+    -inf where hidden): returns ``(m_new, p, l_new)`` with ``m_new`` the running row max (-inf
+    while a row has seen no key), ``p = exp2(s - m_new)`` (0 for such rows) and ``l_new`` the
+    running row sum of exp2 rescaled to ``m_new``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, p, l_i * tl.exp2(m_i - m_safe) + tl.sum(p, 1)
+
+
+@triton.jit
 def _xattn_stats_kernel(
     q_ptr, k_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_mh,
@@ -153,8 +180,8 @@ def _xattn_stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
 ):
-    """Pass 1: per strided query row, the running max (log2 units) and sum of exp2 over its
-    visible strided keys (FlashAttention-2's online softmax statistics)."""
+    """Pass 1 of the streamed estimation: per strided query row, the running max (log2 units)
+    and sum of exp2 over its visible strided keys."""
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     h = tl.program_id(1)
     r = r0 + tl.arange(0, BLOCK_M)
@@ -168,25 +195,17 @@ def _xattn_stats_kernel(
     if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
         j0 = end * 0
         while j0 < end:
-            j = j0 + tl.arange(0, BLOCK_N)
-            s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
-                                STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
-            s = tl.where(_strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            m_i = m_new
+            s = _scaled_tile_scores(q_head, k_head, r, j0 + tl.arange(0, BLOCK_N), seq_q, seq_k, n_ks, offset,
+                                    scale_log2, d, d_mask, stride_qs, stride_ks, STRIDE, BLOCK_M, BLOCK_N,
+                                    CAUSAL, DOT_PRECISION)
+            m_i, _, l_i = _online_softmax_tile(s, m_i, l_i)
             j0 += BLOCK_N
     else:
         for j0 in range(0, end, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            s = _strided_scores(q_head, k_head, r, j, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
-                                STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION) * scale_log2
-            s = tl.where(_strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            m_i = m_new
+            s = _scaled_tile_scores(q_head, k_head, r, j0 + tl.arange(0, BLOCK_N), seq_q, seq_k, n_ks, offset,
+                                    scale_log2, d, d_mask, stride_qs, stride_ks, STRIDE, BLOCK_M, BLOCK_N,
+                                    CAUSAL, DOT_PRECISION)
+            m_i, _, l_i = _online_softmax_tile(s, m_i, l_i)
     r_mask = r < n_qs
     tl.store(m_ptr + h * stride_mh + r, m_i, mask=r_mask)
     tl.store(l_ptr + h * stride_mh + r, l_i, mask=r_mask)
@@ -218,8 +237,9 @@ def _xattn_block_sum_kernel(
     TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
-    """Pass 2: recompute the strided scores, normalise them with pass 1's statistics and sum the
-    probabilities of each (TILE x TILE) strided tile, i.e. each (block_size x block_size) block.
+    """Pass 2 of the streamed estimation: recompute the strided scores, normalise them with pass
+    1's statistics and sum the probabilities of each (TILE x TILE) strided tile, i.e. each
+    (block_size x block_size) block.
     Blocks no program reaches (causally hidden) keep the zeros they were allocated with."""
     r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     h = tl.program_id(1)
@@ -252,8 +272,130 @@ def _xattn_block_sum_kernel(
                             stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
 
 
+@triton.jit
+def _partials_tile(
+    q_head, k_head, part_head, tile_max_head, r, j0, m_i, l_i, seq_q, seq_k, n_qs, n_ks, n_k, offset,
+    scale_log2, d, d_mask, stride_qs, stride_ks, stride_pk, stride_tt,
+    STRIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile of pass A: the online-softmax update of ``(m_i, l_i)`` and, with ``m_new``
+    the updated running max, ``part[kb, r] = sum_{j in kb} exp2(A[r, j] - m_new[r])`` for the
+    tile's ``BLOCK_N // TILE`` key blocks and ``tile_max[tile, r] = m_new[r]``. Returns
+    ``(m_new, l_new)``."""
+    s = _scaled_tile_scores(q_head, k_head, r, j0 + tl.arange(0, BLOCK_N), seq_q, seq_k, n_ks, offset,
+                            scale_log2, d, d_mask, stride_qs, stride_ks, STRIDE, BLOCK_M, BLOCK_N, CAUSAL,
+                            DOT_PRECISION)
+    m_new, p, l_i = _online_softmax_tile(s, m_i, l_i)
+    part = tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_N // TILE, TILE)), axis=2)
+    k_blocks = j0 // TILE + tl.arange(0, BLOCK_N // TILE)
+    r_mask = r < n_qs
+    tl.store(part_head + k_blocks[None, :] * stride_pk + r[:, None], part,
+             mask=r_mask[:, None] & (k_blocks < n_k)[None, :])
+    tl.store(tile_max_head + (j0 // BLOCK_N) * stride_tt + r, m_new, mask=r_mask)
+    return m_new, l_i
+
+
+@triton.jit
+def _xattn_partials_kernel(
+    q_ptr, k_ptr, part_ptr, tile_max_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, n_k, offset, scale_log2,
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_ph, stride_pk, stride_th, stride_tt, stride_mh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    """Pass A, the only pass over the strided GEMM: for BLOCK_M strided query rows of one q head,
+    every visible key tile's partial block sums and running row max (:func:`_partials_tile`),
+    then the final row max ``m`` (log2 units) and sum ``l``. Key tiles past the rows' causal
+    limit are skipped, their ``part``/``tile_max`` entries left unwritten. Row blocks run last to
+    first (the causally longest first)."""
+    h = tl.program_id(0).to(tl.int64)
+    r0 = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64) * BLOCK_M
+    r = r0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_head = q_ptr + h * stride_qh
+    k_head = k_ptr + (h // GROUP) * stride_kh
+    part_head = part_ptr + h * stride_ph
+    tile_max_head = tile_max_ptr + h * stride_th
+    end = _key_end(r0, n_qs, n_ks, offset, STRIDE, BLOCK_M, CAUSAL)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
+        j0 = end * 0
+        while j0 < end:
+            m_i, l_i = _partials_tile(q_head, k_head, part_head, tile_max_head, r, j0, m_i, l_i, seq_q, seq_k,
+                                      n_qs, n_ks, n_k, offset, scale_log2, d, d_mask, stride_qs, stride_ks,
+                                      stride_pk, stride_tt, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
+            j0 += BLOCK_N
+    else:
+        for j0 in tl.range(0, end, BLOCK_N, flatten=True):
+            m_i, l_i = _partials_tile(q_head, k_head, part_head, tile_max_head, r, j0, m_i, l_i, seq_q, seq_k,
+                                      n_qs, n_ks, n_k, offset, scale_log2, d, d_mask, stride_qs, stride_ks,
+                                      stride_pk, stride_tt, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
+    r_mask = r < n_qs
+    tl.store(m_ptr + h * stride_mh + r, m_i, mask=r_mask)
+    tl.store(l_ptr + h * stride_mh + r, l_i, mask=r_mask)
+
+
+@triton.jit
+def _combine_chunk(
+    part_head, tile_max_head, out_row, r, kb0, m_safe, inv_l, inv_rows, row_ok, n_ks, n_k, offset, stride_pk,
+    stride_tt, STRIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Pass B for key blocks ``kb0 .. kb0 + BLOCK_KB - 1`` of one query block (see
+    :func:`_xattn_combine_kernel`). Row r reads block kb only if it sees the block's first
+    strided key, i.e. any of its keys: pass A wrote those entries whatever rows its programs held."""
+    kb = kb0 + tl.arange(0, BLOCK_KB)
+    mask = _strided_visible(r, kb * TILE, offset, n_ks, STRIDE, CAUSAL) & row_ok[:, None]
+    part = tl.load(part_head + kb[None, :] * stride_pk + r[:, None], mask=mask, other=0.0)
+    tile_max = tl.load(tile_max_head + (kb * TILE // BLOCK_N)[None, :] * stride_tt + r[:, None], mask=mask,
+                       other=float("-inf"))
+    probs = part * tl.exp2(tile_max - m_safe[:, None]) * inv_l[:, None]
+    tl.store(out_row + kb, tl.sum(probs, 0) * inv_rows, mask=kb < n_k)
+
+
+@triton.jit
+def _xattn_combine_kernel(
+    part_ptr, tile_max_ptr, m_ptr, l_ptr, out_ptr, n_qs, n_ks, n_k, offset,
+    stride_ph, stride_pk, stride_th, stride_tt, stride_mh, stride_oh, stride_oq,
+    STRIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+    CAUSAL: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):
+    """Pass B, memory-bound: for query block ``qb`` of one q head, each key block's score
+    ``sum_{r in qb} part[kb, r] * exp2(tile_max[tile(kb), r] - m[r]) / l[r]`` (the softmax
+    probabilities summed over the block, steps 3-4) divided by the number of the block's rows
+    that see a key (each such row's probabilities sum to 1, so this is step 5). Rows without keys
+    and causally hidden blocks give exactly 0."""
+    qb = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    r = qb * TILE + tl.arange(0, TILE)
+    r_mask = r < n_qs
+    m_i = tl.load(m_ptr + h * stride_mh + r, mask=r_mask, other=float("-inf"))
+    l_i = tl.load(l_ptr + h * stride_mh + r, mask=r_mask, other=0.0)
+    row_ok = r_mask & (l_i > 0)
+    m_safe = tl.where(row_ok, m_i, 0.0)
+    inv_l = tl.where(row_ok, 1.0 / tl.where(row_ok, l_i, 1.0), 0.0)
+    n_rows = tl.sum(row_ok.to(tl.float32), 0)
+    inv_rows = tl.where(n_rows > 0, 1.0 / tl.maximum(n_rows, 1.0), 0.0)
+    part_head = part_ptr + h * stride_ph
+    tile_max_head = tile_max_ptr + h * stride_th
+    out_row = out_ptr + h * stride_oh + qb * stride_oq
+    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
+        kb0 = n_k * 0
+        while kb0 < n_k:
+            _combine_chunk(part_head, tile_max_head, out_row, r, kb0, m_safe, inv_l, inv_rows, row_ok, n_ks, n_k,
+                           offset, stride_pk, stride_tt, STRIDE, TILE, BLOCK_N, BLOCK_KB, CAUSAL)
+            kb0 += BLOCK_KB
+    else:
+        for kb0 in range(0, n_k, BLOCK_KB):
+            _combine_chunk(part_head, tile_max_head, out_row, r, kb0, m_safe, inv_l, inv_rows, row_ok, n_ks, n_k,
+                           offset, stride_pk, stride_tt, STRIDE, TILE, BLOCK_N, BLOCK_KB, CAUSAL)
+
+
 def _launch_config(q, stride, block_size, causal) -> dict:
-    """Constexprs and launch options shared by the two passes. Tiles of strided rows/keys are
+    """Constexprs and launch options shared by the streamed passes 1 and 2. Tiles of strided rows/keys are
     multiples of TILE = block_size // stride, so a program owns whole blocks."""
     block_d = block_dim(q.shape[2])
     tile = block_size // stride
@@ -305,14 +447,54 @@ def _launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, of
     return out
 
 
-def _estimate_triton(q, k, stride, block_size, scale, causal):
-    heads_q = q.shape[1]
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return torch.zeros((heads_q, cdiv(q.shape[0], block_size), cdiv(k.shape[0], block_size)),
-                           dtype=torch.float32, device=q.device)
-    offset = k.shape[0] - q.shape[0]
-    m_buf, l_buf = _launch_row_stats(q, k, stride, block_size, scale, causal, offset)
-    return normalise_block_rows(_launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, offset))
+def _partials_config(q, stride, block_size, causal) -> dict:
+    """Constexprs and launch options of pass A: tiles of BLOCK_M strided rows x BLOCK_N strided
+    keys, 128 x 128 (64 x 64 where a row of q is over 256 bytes: head_dim > 128, or float32 and
+    head_dim > 64); BLOCK_N a multiple of TILE = block_size // stride (a tile holds whole key
+    blocks), BLOCK_M shrunk as BLOCK_N grows past 128 (accumulator <= 128 x 128 fp32); as many
+    pipeline stages of the (BLOCK_M + BLOCK_N) x BLOCK_D q/k loads as fit in 192 KiB, at most 4."""
+    block_d = block_dim(q.shape[2])
+    tile = block_size // stride
+    base = 128 if block_d * q.element_size() <= 256 else 64
+    block_n = max(base, tile)
+    block_m = max(16, min(base, 128 * 128 // block_n))
+    stage_bytes = (block_m + block_n) * block_d * q.element_size()
+    return dict(
+        HEAD_DIM=q.shape[2], BLOCK_D=block_d, STRIDE=stride, TILE=tile, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WHILE_LOOP=not q.is_cuda, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+        num_stages=max(1, min(4, 192 * 1024 // stage_bytes)),
+    )
+
+
+def _launch_block_scores(q, k, stride, block_size, scale, causal, offset):
+    """Pass A then pass B on the device: float32 ``[Hq, nQ, nK]`` block scores, rows normalised;
+    ``offset`` is the key position of query row 0. Scratch (float32): partial block sums
+    ``[Hq, nK, ceil(Sq/S)]``, tile maxima ``[Hq, ceil(Sk/(S*BLOCK_N)), ceil(Sq/S)]``, row max and
+    sum ``[Hq, ceil(Sq/S)]``; pass B reads ``BLOCK_KB`` key blocks x TILE rows (<= 2048) at a time."""
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    (seq_q, heads_q, _), seq_k = q.shape, k.shape[0]
+    config = _partials_config(q, stride, block_size, causal)
+    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
+    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
+    part = torch.empty((heads_q, n_k, n_qs), dtype=torch.float32, device=q.device)
+    tile_max = torch.empty((heads_q, cdiv(n_ks, config["BLOCK_N"]), n_qs), dtype=torch.float32, device=q.device)
+    m_buf = torch.empty((heads_q, n_qs), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    _xattn_partials_kernel[(heads_q, cdiv(n_qs, config["BLOCK_M"]))](
+        q, k, part, tile_max, m_buf, l_buf, seq_q, seq_k, n_qs, n_ks, n_k, offset, scale / stride * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), part.stride(0), part.stride(1), tile_max.stride(0),
+        tile_max.stride(1), m_buf.stride(0), GROUP=heads_q // k.shape[1], **config,
+    )
+    out = torch.empty((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
+    tile = config["TILE"]
+    _xattn_combine_kernel[(n_q, heads_q)](
+        part, tile_max, m_buf, l_buf, out, n_qs, n_ks, n_k, offset, part.stride(0), part.stride(1),
+        tile_max.stride(0), tile_max.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
+        STRIDE=stride, TILE=tile, BLOCK_N=config["BLOCK_N"], BLOCK_KB=min(next_pow2(n_k), max(1, 2048 // tile)),
+        CAUSAL=bool(causal), WHILE_LOOP=config["WHILE_LOOP"], num_warps=4,
+    )
+    return out
 
 
 def xattn_block_scores(
@@ -322,6 +504,7 @@ def xattn_block_scores(
     block_size: int = 128,
     scale: float | None = None,
     causal: bool = True,
+    offset: int | None = None,
 ) -> torch.Tensor:
     """XAttention antidiagonal block-importance scores.
 
@@ -333,8 +516,8 @@ def xattn_block_scores(
        ``j < ceil(Sk/S)``; so ``Q'[r].K'[j]`` is the sum of q.k along the antidiagonal of the
        ``S x S`` tile (query rows ``r*S..``, keys ``j*S..``);
     2. ``A[r, j] = Q'[r].K'[j] * scale / S``; causal: ``A[r, j] = -inf`` unless
-       ``j*S <= (Sk - Sq) + r*S + S - 1`` (the tile's first key is at or before its last query
-       position; bottom-right alignment);
+       ``j*S <= offset + r*S + S - 1`` (the tile's first key is at or before its last query
+       position; by default ``offset = Sk - Sq``, bottom-right alignment);
     3. ``P = softmax_j(A)`` per strided row (a row with no visible key is all 0);
     4. ``B[qb, kb] = sum of P[r, j]`` over ``r // T == qb``, ``j // T == kb``;
     5. each row ``B[qb, :]`` divided by its sum (rows summing to 0 stay 0).
@@ -346,6 +529,9 @@ def xattn_block_scores(
         block_size: a power of two in ``stride..1024``; tokens per query/key block.
         scale: softmax scale of the real attention (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask (queries are the last Sq of the Sk keys).
+        offset: key position of query row 0 when causal (default ``Sk - Sq``); a query chunk of a
+            longer prompt passes its own start, with k running past its rows' last key up to
+            a stride multiple.
 
     Returns:
         float32 ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]``, each row summing to 1 (0
@@ -355,18 +541,26 @@ def xattn_block_scores(
         ValueError: q/k not 3-D or differing in D, Hq not a multiple of Hkv, D outside 1..256,
             stride or block_size not a power of two in range.
 
-    CUDA: two fused Triton passes over (128 strided rows x 64 strided keys) tiles, the reshape
-    done by strided loads (no copy): pass 1 row max/sum of exp2 (online softmax), pass 2 the
-    normalised probabilities summed into blocks; causally hidden key tiles are skipped. About
-    ``2 * Sq * Sk * D / S`` multiply-adds (causal: half), i.e. 1/S of QK^T, computed twice.
+    CUDA: the strided GEMM is computed once, in two Triton kernels. Pass A runs over tiles of
+    128 strided rows x N strided keys (N = max(128, T), fewer rows when T > 128; 64 x max(64, T)
+    where a head_dim row is over 256 bytes), the reshape done by strided loads (no copy), causally
+    hidden key tiles skipped; per tile it updates each row's online-softmax max and sum (FA-2) and
+    writes the row's partial block sums ``exp2(A - m_tile)`` with ``m_tile``, the running max
+    they were taken against. Pass B (memory-bound) rescales them to each row's final max and sum,
+    sums them over the block's rows and divides by the number of rows that see a key (step 5).
+    ``Hq * Sq * Sk * D / S`` multiply-adds (causal: about half), 1/S of QK^T's. Scratch: float32
+    partial sums, tile maxima and row statistics,
+    ``4 * Hq * ceil(Sq/S) * (ceil(Sk/block_size) + ceil(Sk/(S*N)) + 2)`` bytes (152 MB for
+    Sq = Sk = 32K, Hq = 32, S = 8, block_size = 128).
     CPU: :func:`xattn_block_scores_ref` (or the kernels under the interpreter, see
     ``nanovllm.ops._triton``).
     """
     _check_estimate_args(q, k, stride, block_size)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    if q.dtype == torch.float64 or not use_triton(q):
-        return xattn_block_scores_ref(q, k, stride, block_size, scale, causal)
-    return _estimate_triton(q, k, stride, block_size, scale, causal)
+    if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
+        return xattn_block_scores_ref(q, k, stride, block_size, scale, causal, offset)
+    offset = k.shape[0] - q.shape[0] if offset is None else int(offset)
+    return _launch_block_scores(q, k, stride, block_size, scale, causal, offset)
 
 
 # ---------------------------------------------------------------- block selection

@@ -2,7 +2,7 @@
 
 :func:`nanovllm.ops.xattn_estimate.xattn_block_scores` (Xu et al., "XAttention: Block Sparse
 Attention with Antidiagonal Scoring", 2025) needs every key at once: its softmax runs over a
-strided query row's whole key range. Split into its two passes, it does not:
+strided query row's whole key range. Split into two passes over the keys, it does not:
 
 1. :func:`xattn_row_stats` gives, per strided query row, the max and the sum of exp of the
    strided scores over one piece of the keys; :func:`merge_row_stats` combines pieces exactly
@@ -30,7 +30,7 @@ from .xattn_estimate import (
     _launch_block_sums,
     _launch_row_stats,
     _strided_layout,
-    normalise_block_rows,
+    xattn_block_scores,
     xattn_select_blocks,
 )
 
@@ -101,7 +101,8 @@ def xattn_row_stats(
         ValueError: q/k not 3-D or differing in D, Hq not a multiple of Hkv, D outside 1..256, or
             stride not a power of two in 1..64.
 
-    CUDA: the first Triton pass of ``xattn_block_scores`` (no reshape copy). CPU: the reference.
+    CUDA: a Triton kernel, the strided GEMM with online-softmax statistics (no reshape copy). CPU:
+    the reference.
     """
     _check_qk(q, k, stride)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
@@ -172,7 +173,8 @@ def xattn_block_sums(
     Raises:
         ValueError: as :func:`xattn_row_stats`, a bad block_size, or statistics of another shape.
 
-    CUDA: the second Triton pass of ``xattn_block_scores``. CPU: the reference.
+    CUDA: a Triton kernel recomputing the strided GEMM, normalising it by the given statistics and
+    summing blocks. CPU: the reference.
     """
     _check_estimate_args(q, k, stride, block_size)
     _check_stats(q, stride, row_max, row_sumexp)
@@ -194,7 +196,9 @@ def xattn_block_mask(
     Equals ``xattn_select_blocks(xattn_block_scores(q, k, stride, block_size, scale),
     threshold, True, block_size, Sq, Sk)``, but a chunk only holds the statistics and block sums
     of its own rows against the keys it can see, so memory is bounded by ``chunk_size`` rows
-    (the torch reference materialises ``chunk_size/S x Sk/S`` strided scores per head).
+    (the torch reference materialises ``chunk_size/S x Sk/S`` strided scores per head). Each
+    chunk is one :func:`~nanovllm.ops.xattn_estimate.xattn_block_scores` call (one pass over its
+    strided GEMM on CUDA) with the chunk's own ``offset``.
 
     Args:
         q: ``[Sq, Hq, D]``; k: ``[Sk, Hkv, D]`` with ``Sk >= Sq``; as in :func:`xattn_row_stats`.
@@ -224,10 +228,8 @@ def xattn_block_mask(
         r1 = min(r0 + chunk_size, seq_q)
         end = offset + r1  # keys the chunk's rows may see, up to its last strided key
         keys = k[:min(seq_k, cdiv(end, stride) * stride)]
-        stats = xattn_row_stats(q[r0:r1], keys, stride, scale, True, offset + r0)
-        sums = xattn_block_sums(q[r0:r1], keys, *stats, stride, block_size, scale, True, offset + r0)
         n_k = cdiv(end, block_size)
-        scores = normalise_block_rows(sums[:, :, :n_k])
+        scores = xattn_block_scores(q[r0:r1], keys, stride, block_size, scale, True, offset + r0)[:, :, :n_k]
         mask[:, r0 // block_size:cdiv(r1, block_size), :n_k] = xattn_select_blocks(
             scores, threshold, True, block_size, r1 - r0, end)
     return mask
