@@ -10,7 +10,7 @@ block_sparse_attention; "flex", nanovllm.ops.flex_block_sparse). Flex compiles o
 ``flex_compile`` rows give the wall time of the first call at (seq, seq), then at two new
 (Sq, Sk) pairs with Sq != Sk; the first of those compiles once more (dynamo's duck sizing tied
 Sq to Sk in the first graph), the second should take milliseconds (no recompile per length).
-Usage, from the repository root: python -m benchmarks.bench_xattn [seq_len]
+Usage, from the repository root: python -m benchmarks.bench_xattn [seq_len >= 4096]
 """
 
 import json
@@ -26,6 +26,7 @@ from nanovllm.ops.flex_block_sparse import flex_block_sparse_attention
 from nanovllm.ops.xattn_estimate import block_density, block_layout, xattn_block_scores, xattn_select_blocks
 
 BLOCK = 128
+MIN_SEQ = 4096
 DTYPE = torch.bfloat16
 BACKENDS = {"triton": block_sparse_attention, "flex": flex_block_sparse_attention}
 
@@ -65,6 +66,8 @@ def forced_density_mask(heads, seq_q, seq_k, density, seed=0):
 
 def main() -> None:
     seq = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+    if seq < MIN_SEQ:
+        raise SystemExit(f"seq_len={seq} must be >= {MIN_SEQ} (the flex_compile rows use seq // 2 + 1001 queries)")
     heads_q, heads_kv, dim = 32, 8, 128
     scale = dim**-0.5
     q = torch.randn(seq, heads_q, dim, device="cuda", dtype=DTYPE)

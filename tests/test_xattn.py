@@ -147,6 +147,11 @@ def test_block_scores_float64_and_empty():
         (dict(stride=128), "stride=128"),
         (dict(block_size=4), "block_size=4"),
         (dict(block_size=96), "block_size=96"),
+        (dict(stride=8.0), "stride=8.0"),
+        (dict(offset=2.7), "offset=2.7"),
+        (dict(offset=True), "offset=True"),
+        (dict(offset="3"), "offset='3'"),
+        (dict(offset=float("nan")), "offset=nan"),
     ],
 )
 def test_block_scores_bad_arguments(kwargs, message):
@@ -163,6 +168,19 @@ def test_block_scores_bad_shapes():
         xattn_block_scores(torch.zeros(8, 2, 300), torch.zeros(8, 1, 300))
     with pytest.raises(ValueError, match=r"q \[Sq, Hq, D\]"):
         xattn_block_scores(torch.zeros(1, 8, 2, 32), torch.zeros(8, 1, 32))
+    with pytest.raises(ValueError, match="q/k must share one of float16/bfloat16/float32/float64"):
+        xattn_block_scores(q.half(), k[:, :1])
+    with pytest.raises(ValueError, match="got q torch.int32"):
+        xattn_block_scores(q.int(), k[:, :1].int())
+
+
+def test_block_scores_offset_default_and_integer_types():
+    """``offset=Sk - Sq`` is the default; any int type (0-d int tensor included) is accepted."""
+    q, k = random_qk(100, 300, 4, 2, 32, seed=3)
+    default = xattn_block_scores(q, k, 8, 32)
+    assert torch.equal(xattn_block_scores(q, k, 8, 32, offset=200), default)
+    assert torch.equal(xattn_block_scores(q, k, 8, 32, offset=torch.tensor(200)), default)
+    assert not torch.equal(xattn_block_scores(q, k, 8, 32, offset=150), default)
 
 
 # ---------------------------------------------------------------- selection
@@ -282,6 +300,14 @@ def test_bsa_bad_arguments():
         block_sparse_attention(q, k, k, mask.int(), 32)
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         block_sparse_attention(q, k[:, :1].expand(100, 3, 32), k[:, :1].expand(100, 3, 32), mask, 32)
+    with pytest.raises(ValueError, match="got q torch.float16, k torch.float32, v torch.float32"):
+        block_sparse_attention(q.half(), k, k, mask, 32)
+    with pytest.raises(ValueError, match="got q torch.int32"):
+        block_sparse_attention(q.int(), k.int(), k.int(), mask, 32)
+    with pytest.raises(ValueError, match="mask must be on q's device cpu; got meta"):
+        block_sparse_attention(q, k, k, mask.to("meta"), 32)
+    with pytest.raises(ValueError, match="block_size=32.0"):
+        block_sparse_attention(q, k, k, mask, 32.0)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreter)

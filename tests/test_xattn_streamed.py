@@ -99,6 +99,8 @@ def test_chunked_mask_equals_unchunked_selection(seq_q, seq_k, chunk):
     [
         (lambda q, k: xattn_block_sums(q, k, torch.zeros(2, 3), torch.ones(2, 3), 8, 64), "row_max and row_sumexp"),
         (lambda q, k: xattn_block_mask(q, k, 0.9, 8, 64, None, 100), "chunk_size=100"),
+        (lambda q, k: xattn_block_mask(q, k, 0.9, 8, 64, None, 128.0), "chunk_size=128.0"),
+        (lambda q, k: xattn_row_stats(q, k, 8, None, True, 1.5), "offset=1.5"),
         (lambda q, k: xattn_block_mask(q, k, 1.5, 8, 64), "threshold=1.5"),
         (lambda q, k: xattn_block_mask(q, k[:10], 0.9, 8, 64), "Sk >= Sq"),
         (lambda q, k: xattn_row_stats(q, k, 6), "stride=6"),

@@ -5,6 +5,7 @@ installs) ``triton.jit`` is the identity and ``tl.constexpr`` a placeholder, so 
 import; ``use_triton`` is then always False and no kernel is launched.
 """
 
+import operator
 import os
 import types
 
@@ -33,7 +34,8 @@ MAX_HEAD_DIM = 256
 
 INTERPRET_ENV = "NANOVLLM_TRITON_INTERPRET"
 """Set to "1" (together with TRITON_INTERPRET=1 before Triton is imported) to run the Triton
-kernels on CPU tensors through Triton's interpreter; the tests use it."""
+kernels on CPU tensors through Triton's interpreter; the tests use it. The interpreter computes
+bfloat16 ``tl.dot`` wrongly (numpy has no bfloat16), so use float16/float32 inputs there."""
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -61,7 +63,32 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
 
 
 def is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
+    """True for an int (not bool) power of two; False for anything else, floats included."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_dtype(**tensors: torch.Tensor) -> None:
+    """ValueError unless the named tensors share one dtype among :data:`FLOAT_DTYPES`."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    first = next(iter(dtypes.values()))
+    if first not in FLOAT_DTYPES or any(d != first for d in dtypes.values()):
+        got = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise ValueError(f"{'/'.join(dtypes)} must share one of float16/bfloat16/float32/float64; got {got}")
+
+
+def check_offset(offset) -> int | None:
+    """``offset`` as an int (None stays None); ValueError for a bool, float or other non-integer."""
+    if offset is None:
+        return None
+    try:
+        if isinstance(offset, bool):
+            raise TypeError
+        return operator.index(offset)
+    except TypeError:
+        raise ValueError(f"offset={offset!r} must be an int (the key position of query row 0, any sign)") from None
 
 
 def next_pow2(n: int) -> int:

@@ -13,8 +13,10 @@ takes the block list directly with no BlockMask conversion per call.
 
 import torch
 
-from ._triton import (LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, online_softmax_step, tl, triton,
-                      use_triton)
+from ._triton import (
+    LOG2E, block_dim, cdiv, check_float_dtype, check_gqa, check_head_dim, is_pow2, online_softmax_step, tl, triton,
+    use_triton,
+)
 
 
 def _check_args(q, k, v, mask, block_size) -> None:
@@ -25,8 +27,11 @@ def _check_args(q, k, v, mask, block_size) -> None:
         )
     check_gqa(q.shape[1], k.shape[1])
     check_head_dim(q.shape[2])
+    check_float_dtype(q=q, k=k, v=v)
     if not is_pow2(block_size) or not 16 <= block_size <= 1024:
         raise ValueError(f"block_size={block_size} must be a power of two in 16..1024")
+    if mask.device != q.device:
+        raise ValueError(f"mask must be on q's device {q.device}; got {mask.device}")
     expected = (q.shape[1], cdiv(q.shape[0], block_size), cdiv(k.shape[0], block_size))
     if mask.dtype != torch.bool or tuple(mask.shape) != expected:
         raise ValueError(

@@ -207,6 +207,8 @@ def flex_block_sparse_attention(
     Raises:
         ValueError: as block_sparse_attention.
         RuntimeError: FlexAttention missing from this PyTorch.
+        NotImplementedError: inputs that require grad on CPU (flex has no CPU backward; this is
+            an inference op).
 
     CUDA: the compiled flex kernel (see the module docstring for compilation); per call a few
     small device ops build the block lists (no host sync). Elsewhere: flex's eager path, which

@@ -10,13 +10,16 @@ their cumulative share reaches a threshold. The selected mask drives
 
 Positions: queries are the last ``Sq`` of the ``Sk`` keys (bottom-right aligned, as in
 :func:`nanovllm.ops.flash_attn_with_lse`): local query row ``i`` sits at key position
-``Sk - Sq + i``. Query block ``b`` is rows ``b*block_size .. (b+1)*block_size - 1`` (local), key
+``Sk - Sq + i``, or ``offset + i`` where an estimate takes an explicit ``offset``. Query block ``b`` is rows ``b*block_size .. (b+1)*block_size - 1`` (local), key
 block ``c`` is key positions ``c*block_size ..``; the last block of each may be partial.
 """
 
 import torch
 
-from ._triton import LOG2E, block_dim, cdiv, check_gqa, check_head_dim, is_pow2, next_pow2, tl, triton, use_triton
+from ._triton import (
+    LOG2E, block_dim, cdiv, check_float_dtype, check_gqa, check_head_dim, check_offset, is_pow2, next_pow2, tl, triton,
+    use_triton,
+)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
@@ -26,6 +29,7 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
         )
     check_gqa(q.shape[1], k.shape[1])
     check_head_dim(q.shape[2])
+    check_float_dtype(q=q, k=k)
     if not is_pow2(stride) or stride > 64:
         raise ValueError(f"stride={stride} must be a power of two in 1..64")
 
@@ -77,6 +81,7 @@ def xattn_block_scores_ref(
     time, in float32 (float64 inputs compute in float64); the result is float32.
     """
     _check_estimate_args(q, k, stride, block_size)
+    offset = check_offset(offset)
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     scale = dim**-0.5 if scale is None else scale
@@ -86,7 +91,7 @@ def xattn_block_scores_ref(
     out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     if seq_q == 0 or seq_k == 0:
         return out
-    offset = seq_k - seq_q if offset is None else int(offset)
+    offset = seq_k - seq_q if offset is None else offset
     q_str, k_str, visible = _strided_layout(q, k, stride, causal, offset)
     n_qs, n_ks = visible.shape
     any_visible = visible.any(-1, keepdim=True)
@@ -529,9 +534,11 @@ def xattn_block_scores(
         block_size: a power of two in ``stride..1024``; tokens per query/key block.
         scale: softmax scale of the real attention (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask (queries are the last Sq of the Sk keys).
-        offset: key position of query row 0 when causal (default ``Sk - Sq``); a query chunk of a
-            longer prompt passes its own start, with k running past its rows' last key up to
-            a stride multiple.
+        offset: int, the key position of query row 0 when causal (default ``Sk - Sq``; ignored
+            when not causal). Any int: negative puts the first rows before every key (their
+            rows are 0), past ``Sk - Sq`` lets rows see all keys. Used for a chunk of query rows
+            estimated against keys that run on past the chunk's last row (cut at a stride
+            multiple), as :func:`nanovllm.ops.xattn_streamed.xattn_block_mask` does.
 
     Returns:
         float32 ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]``, each row summing to 1 (0
@@ -539,7 +546,8 @@ def xattn_block_scores(
 
     Raises:
         ValueError: q/k not 3-D or differing in D, Hq not a multiple of Hkv, D outside 1..256,
-            stride or block_size not a power of two in range.
+            q and k not of one float dtype, stride or block_size not a power of two in range,
+            offset not an int.
 
     CUDA: the strided GEMM is computed once, in two Triton kernels. Pass A runs over tiles of
     128 strided rows x N strided keys (N = max(128, T), fewer rows when T > 128; 64 x max(64, T)
@@ -556,10 +564,11 @@ def xattn_block_scores(
     ``nanovllm.ops._triton``).
     """
     _check_estimate_args(q, k, stride, block_size)
+    offset = check_offset(offset)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_block_scores_ref(q, k, stride, block_size, scale, causal, offset)
-    offset = k.shape[0] - q.shape[0] if offset is None else int(offset)
+    offset = k.shape[0] - q.shape[0] if offset is None else offset
     return _launch_block_scores(q, k, stride, block_size, scale, causal, offset)
 
 

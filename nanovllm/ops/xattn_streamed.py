@@ -23,7 +23,7 @@ per pass. GPU-only prefill bounds its memory by estimating ``chunk_size`` query 
 
 import torch
 
-from ._triton import LN2, LOG2E, cdiv, use_triton
+from ._triton import LN2, LOG2E, cdiv, check_offset, use_triton
 from .xattn_estimate import (
     _check_estimate_args,
     _check_qk,
@@ -36,7 +36,8 @@ from .xattn_estimate import (
 
 
 def _offset(q: torch.Tensor, k: torch.Tensor, offset: int | None) -> int:
-    return k.shape[0] - q.shape[0] if offset is None else int(offset)
+    offset = check_offset(offset)
+    return k.shape[0] - q.shape[0] if offset is None else offset
 
 
 def _check_stats(q: torch.Tensor, stride: int, row_max: torch.Tensor, row_sumexp: torch.Tensor) -> None:
@@ -219,7 +220,7 @@ def xattn_block_mask(
         raise ValueError(f"causal prefill needs Sk >= Sq; got Sq={seq_q}, Sk={seq_k}")
     if not 0.0 <= float(threshold) <= 1.0:
         raise ValueError(f"threshold={threshold} is outside 0..1")
-    if chunk_size < block_size or chunk_size % block_size:
+    if not isinstance(chunk_size, int) or chunk_size < block_size or chunk_size % block_size:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of block_size={block_size}")
     offset = seq_k - seq_q
     mask = torch.zeros((q.shape[1], cdiv(seq_q, block_size), cdiv(seq_k, block_size)), dtype=torch.bool,
