@@ -15,6 +15,7 @@ from random import randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.tp_worker import torchrun_rank
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 
@@ -97,7 +98,8 @@ def main():
     if args.compare_hf:
         result["hf"] = bench_hf(args, prompts, params)
         result["speedup_vs_hf"] = round(result["tok_per_s"] / result["hf"]["tok_per_s"], 2)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this script
+    launch = torchrun_rank()
+    if launch is None or launch.rank == 0:  # under torchrun every rank runs this script
         print(json.dumps(result))
 
 

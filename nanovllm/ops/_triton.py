@@ -8,6 +8,7 @@ import; ``use_triton`` is then always False and no kernel is launched.
 import operator
 import os
 import types
+from numbers import Integral
 
 import torch
 
@@ -63,8 +64,9 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
 
 
 def is_pow2(n: int) -> bool:
-    """True for an int (not bool) power of two; False for anything else, floats included."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
+    """True for an integer (any ``numbers.Integral`` but bool) power of two; False for anything
+    else, floats included."""
+    return isinstance(n, Integral) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -34,6 +34,12 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
         raise ValueError(f"stride={stride} must be a power of two in 1..64")
 
 
+def query_offset(q: torch.Tensor, k: torch.Tensor, offset) -> int:
+    """The key position of query row 0: ``offset`` checked to be an int, default ``Sk - Sq``."""
+    offset = check_offset(offset)
+    return k.shape[0] - q.shape[0] if offset is None else offset
+
+
 def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
     _check_qk(q, k, stride)
     if not is_pow2(block_size) or block_size < stride or block_size > 1024:
@@ -81,7 +87,7 @@ def xattn_block_scores_ref(
     time, in float32 (float64 inputs compute in float64); the result is float32.
     """
     _check_estimate_args(q, k, stride, block_size)
-    offset = check_offset(offset)
+    offset = query_offset(q, k, offset)
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     scale = dim**-0.5 if scale is None else scale
@@ -91,7 +97,6 @@ def xattn_block_scores_ref(
     out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     if seq_q == 0 or seq_k == 0:
         return out
-    offset = seq_k - seq_q if offset is None else offset
     q_str, k_str, visible = _strided_layout(q, k, stride, causal, offset)
     n_qs, n_ks = visible.shape
     any_visible = visible.any(-1, keepdim=True)
@@ -564,11 +569,10 @@ def xattn_block_scores(
     ``nanovllm.ops._triton``).
     """
     _check_estimate_args(q, k, stride, block_size)
-    offset = check_offset(offset)
+    offset = query_offset(q, k, offset)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_block_scores_ref(q, k, stride, block_size, scale, causal, offset)
-    offset = k.shape[0] - q.shape[0] if offset is None else offset
     return _launch_block_scores(q, k, stride, block_size, scale, causal, offset)
 
 

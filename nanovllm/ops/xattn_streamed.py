@@ -23,21 +23,17 @@ per pass. GPU-only prefill bounds its memory by estimating ``chunk_size`` query 
 
 import torch
 
-from ._triton import LN2, LOG2E, cdiv, check_offset, use_triton
+from ._triton import LN2, LOG2E, cdiv, use_triton
 from .xattn_estimate import (
     _check_estimate_args,
     _check_qk,
     _launch_block_sums,
     _launch_row_stats,
     _strided_layout,
+    query_offset,
     xattn_block_scores,
     xattn_select_blocks,
 )
-
-
-def _offset(q: torch.Tensor, k: torch.Tensor, offset: int | None) -> int:
-    offset = check_offset(offset)
-    return k.shape[0] - q.shape[0] if offset is None else offset
 
 
 def _check_stats(q: torch.Tensor, stride: int, row_max: torch.Tensor, row_sumexp: torch.Tensor) -> None:
@@ -66,7 +62,7 @@ def xattn_row_stats_ref(
     row_sumexp = torch.zeros((heads_q, n_qs), dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return row_max, row_sumexp
-    q_str, k_str, visible = _strided_layout(q, k, stride, causal, _offset(q, k, offset))
+    q_str, k_str, visible = _strided_layout(q, k, stride, causal, query_offset(q, k, offset))
     for h in range(heads_q):
         scores = _head_scores(q_str, k_str, visible, h, heads_q // heads_kv, scale, stride)
         top = scores.amax(-1)
@@ -109,7 +105,7 @@ def xattn_row_stats(
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_row_stats_ref(q, k, stride, scale, causal, offset)
-    m_log2, row_sumexp = _launch_row_stats(q, k, stride, stride, scale, causal, _offset(q, k, offset))
+    m_log2, row_sumexp = _launch_row_stats(q, k, stride, stride, scale, causal, query_offset(q, k, offset))
     return m_log2 * LN2, row_sumexp
 
 
@@ -138,7 +134,7 @@ def xattn_block_sums_ref(
     out = torch.zeros((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return out
-    q_str, k_str, visible = _strided_layout(q, k, stride, causal, _offset(q, k, offset))
+    q_str, k_str, visible = _strided_layout(q, k, stride, causal, query_offset(q, k, offset))
     n_qs, n_ks = visible.shape
     seen = row_sumexp > 0
     safe_max = torch.where(seen, row_max, 0.0).to(q_str.dtype)
@@ -184,7 +180,7 @@ def xattn_block_sums(
         return xattn_block_sums_ref(q, k, row_max, row_sumexp, stride, block_size, scale, causal, offset)
     m_log2 = torch.where(row_sumexp > 0, row_max.float() * LOG2E, float("-inf"))
     return _launch_block_sums(q, k, m_log2, row_sumexp.float(), stride, block_size, scale, causal,
-                              _offset(q, k, offset))
+                              query_offset(q, k, offset))
 
 
 def xattn_block_mask(

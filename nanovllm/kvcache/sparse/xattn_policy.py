@@ -34,19 +34,15 @@ from nanovllm.ops.xattn_streamed import merge_row_stats, xattn_block_mask, xattn
 from nanovllm.sampling_params import is_integer
 
 
-def _is_pow2(n) -> bool:
-    return is_integer(n) and is_pow2(n)
-
-
 def check_xattn_params(threshold, stride, block_size, chunk_size) -> None:
     """Raise ValueError naming the config field, the value and the limit: ``sparse_threshold``
     in [0, 1]; ``sparse_stride`` a power of two in [1, 64]; ``sparse_block_size`` a power of two
     in [16, 1024] and >= the stride; ``sparse_chunk_size`` a positive multiple of the block size."""
     if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0.0 <= threshold <= 1.0:
         raise ValueError(f"sparse_threshold must be in [0, 1], got {threshold!r}")
-    if not _is_pow2(stride) or stride > 64:
+    if not is_pow2(stride) or stride > 64:
         raise ValueError(f"sparse_stride must be a power of two in [1, 64], got {stride!r}")
-    if not _is_pow2(block_size) or not 16 <= block_size <= 1024:
+    if not is_pow2(block_size) or not 16 <= block_size <= 1024:
         raise ValueError(f"sparse_block_size must be a power of two in [16, 1024], got {block_size!r}")
     if stride > block_size:
         raise ValueError(f"sparse_stride={stride} must be <= sparse_block_size={block_size}")
