@@ -5,55 +5,29 @@ xattn_block_scores (stride 8 and 16) and of scores + xattn_select_blocks, each a
 of dense causal attention (cuDNN through nanovllm.ops.flash_attn_with_lse); and the time of
 block-sparse attention at forced densities 0.1 / 0.3 / 0.5 / 1.0 (random kept blocks among the
 causally visible ones, sink and diagonal always kept; measured density reported) as a fraction
-of the dense time, for both backends (``backend``: "triton", our kernel behind
-block_sparse_attention; "flex", nanovllm.ops.flex_block_sparse). Flex compiles on its first call:
-``flex_compile`` rows give the wall time of the first call at (seq, seq), then at two new
-(Sq, Sk) pairs with Sq != Sk; the first of those compiles once more (dynamo's duck sizing tied
-Sq to Sk in the first graph), the second should take milliseconds (no recompile per length).
-Usage, from the repository root: python -m benchmarks.bench_xattn [seq_len >= 4096]
+of the dense time, and its throughput on the kept blocks.
+Usage, from the repository root: python -m benchmarks.bench_xattn [seq_len >= 256, default 32768]
 """
 
 import json
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
 from nanovllm.ops import flash_attn_with_lse
 from nanovllm.ops.block_sparse_attention import block_sparse_attention
-from nanovllm.ops.flex_block_sparse import flex_block_sparse_attention
 from nanovllm.ops.xattn_estimate import block_density, block_layout, xattn_block_scores, xattn_select_blocks
 
 BLOCK = 128
-MIN_SEQ = 4096
+MIN_SEQ = 2 * BLOCK
 DTYPE = torch.bfloat16
-BACKENDS = {"triton": block_sparse_attention, "flex": flex_block_sparse_attention}
 
 
 def _ms(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-
-def _first_call_s(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def flex_compile_rows(q, k, v, scale) -> list[dict]:
-    """Wall time of flex's first call at (seq, seq) and at two new (Sq, Sk) pairs."""
-    seq, rows = q.shape[0], []
-    for seq_q, seq_k in ((seq, seq), (seq // 2 + 37, seq - 11), (seq // 2 + 1001, seq - 300)):
-        mask = forced_density_mask(q.shape[1], seq_q, seq_k, 0.3)
-        seconds = _first_call_s(lambda: flex_block_sparse_attention(q[:seq_q], k[:seq_k], v[:seq_k], mask, BLOCK,
-                                                                    scale, True))
-        rows.append({"op": "flex_compile", "seq_q": seq_q, "seq_k": seq_k, "first_call_s": round(seconds, 3)})
-    return rows
 
 
 def forced_density_mask(heads, seq_q, seq_k, density, seed=0):
@@ -67,7 +41,7 @@ def forced_density_mask(heads, seq_q, seq_k, density, seed=0):
 def main() -> None:
     seq = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
     if seq < MIN_SEQ:
-        raise SystemExit(f"seq_len={seq} must be >= {MIN_SEQ} (the flex_compile rows use seq // 2 + 1001 queries)")
+        raise SystemExit(f"seq_len={seq} must be >= {MIN_SEQ} (two {BLOCK}-token blocks)")
     heads_q, heads_kv, dim = 32, 8, 128
     scale = dim**-0.5
     q = torch.randn(seq, heads_q, dim, device="cuda", dtype=DTYPE)
@@ -84,16 +58,14 @@ def main() -> None:
                         "fraction_of_dense": round(est_ms / dense_ms, 4),
                         "with_selection_ms": round(sel_ms, 3),
                         "with_selection_fraction": round(sel_ms / dense_ms, 4)})
-    results += flex_compile_rows(q, k, v, scale)
     for density in (0.1, 0.3, 0.5, 1.0):
         mask = forced_density_mask(heads_q, seq, seq, density)
         measured = block_density(mask, True, BLOCK, seq, seq)
-        for backend, attention in BACKENDS.items():
-            sparse_ms = _ms(lambda: attention(q, k, v, mask, BLOCK, scale, True))
-            results.append({"op": "block_sparse_attention", "backend": backend, "seq": seq,
-                            "forced_density": density, "measured_density": round(measured, 4),
-                            "ms": round(sparse_ms, 3), "fraction_of_dense": round(sparse_ms / dense_ms, 4),
-                            "tflops_on_kept": round(flops * measured / sparse_ms / 1e9, 1)})
+        sparse_ms = _ms(lambda: block_sparse_attention(q, k, v, mask, BLOCK, scale, True))
+        results.append({"op": "block_sparse_attention", "seq": seq, "forced_density": density,
+                        "measured_density": round(measured, 4), "ms": round(sparse_ms, 3),
+                        "fraction_of_dense": round(sparse_ms / dense_ms, 4),
+                        "tflops_on_kept": round(flops * measured / sparse_ms / 1e9, 1)})
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "block_size": BLOCK,
                       "results": results}, indent=1))

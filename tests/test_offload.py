@@ -61,6 +61,25 @@ def test_decode_blocks_are_offloaded_and_read_back(llama_tied_dir):
     llm.shutdown()
 
 
+def test_prefill_prefetch_is_taken(llama_tied_dir, monkeypatch):
+    """A dense prefill prefetches the next layer's first earlier blocks as soon as a layer is
+    done, and that layer takes them: 1,000 tokens in 256-token chunks (4 chunks), 2 slots, each
+    earlier block's K and V loaded exactly once per chunk and layer."""
+    llm = build_llm(llama_tied_dir, max_model_len=1024, kvcache_block_size=256, enable_cpu_offload=True,
+                    num_gpu_blocks=2, num_cpu_kvcache_blocks=4)
+    engine = llm.model_runner.offload_engine
+    prefetched = []
+    prefetch = engine.prefetch_to_slot_layer
+    monkeypatch.setattr(engine, "prefetch_to_slot_layer", lambda *a: (prefetched.append(a), prefetch(*a)))
+    before = engine.bytes_h2d
+    tokens, _ = _generate(llm, [random_prompt(1000, seed=3)], 1)
+    layers = engine.num_layers
+    assert engine.bytes_h2d - before == layers * (0 + 1 + 2 + 3) * 2 * engine.block_bytes
+    assert len(prefetched) == (layers - 1) * (0 + 1 + 2 + 2), "the first min(slots, earlier) blocks of layers 1.."
+    assert all(layer >= 1 for _, layer, _ in prefetched)
+    llm.shutdown()
+
+
 def test_offload_errors_name_the_limits(qwen3_dir):
     with pytest.raises(ValueError, match="num_gpu_blocks must be >= 2, got 1"):
         build_llm(qwen3_dir, enable_cpu_offload=True, num_gpu_blocks=1)

@@ -8,6 +8,7 @@ the parent run skips them. Triton's interpreter computes bfloat16 ``tl.dot`` wro
 no bfloat16), so interpreted tests use float32/float16; bfloat16 is covered in tests/gpu.
 """
 
+import importlib
 import math
 
 import pytest
@@ -25,6 +26,8 @@ from nanovllm.ops.xattn_estimate import (
     xattn_block_scores_ref,
     xattn_select_blocks,
 )
+
+bsa = importlib.import_module("nanovllm.ops.block_sparse_attention")  # the module (ops exports the function)
 
 NEG_INF = float("-inf")
 
@@ -409,19 +412,69 @@ def test_interpreted_bsa_random_mask_matches_reference(dtype, tol, causal):
 
 @interpreted_only
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dim, seq_q, seq_k", [(80, 200, 333), (64, 256, 256)])
-def test_interpreted_bsa_interior_and_edge_tiles(causal, dim, seq_q, seq_k):
-    """Blocks of 128 keys are two 64-key tiles: below a query tile's diagonal they run without
-    masks, on it and past the keys' end with them; head_dim 80 pads to 128 lanes (masked d),
-    and Sk - Sq = 133 puts the diagonal inside a tile."""
+@pytest.mark.parametrize("dim, seq_q, seq_k, block", [(80, 200, 333, 128), (64, 256, 256, 128), (64, 300, 700, 256)])
+def test_interpreted_bsa_full_and_partial_tiles(causal, dim, seq_q, seq_k, block):
+    """Full blocks (below the query block's diagonal, inside the keys) run without masks, the
+    others with them; head_dim 80 pads to 128 lanes (masked d) and takes 64-key tiles, so a
+    128-key block is two tiles, as is a 256-key block with 128-key tiles; Sk - Sq = 133 puts the
+    diagonal inside a tile."""
     heads_q, heads_kv = 2, 1
     q, k = random_qk(seq_q, seq_k, heads_q, heads_kv, dim, seed=9)
     v = torch.randn(seq_k, heads_kv, dim)
-    mask = random_mask(heads_q, seq_q, seq_k, 128, 0.7, seed=9)
-    out, lse = block_sparse_attention(q, k, v, mask, 128, dim**-0.5, causal)
-    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, 128, dim**-0.5, causal)
+    mask = random_mask(heads_q, seq_q, seq_k, block, 0.7, seed=9)
+    out, lse = block_sparse_attention(q, k, v, mask, block, dim**-0.5, causal)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, block, dim**-0.5, causal)
     assert_close(out, ref_out, 1e-4)
     assert_close(lse, ref_lse, 1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("seq_q, seq_k, heads_q, heads_kv, dim, block, causal", [
+    (96, 64, 2, 1, 64, 32, True), (96, 64, 2, 1, 64, 32, False), (20, 90, 4, 1, 64, 32, True),
+    (20, 30, 2, 2, 64, 32, False), (130, 333, 4, 1, 128, 32, False)])
+def test_interpreted_bsa_edge_shapes(seq_q, seq_k, heads_q, heads_kv, dim, block, causal):
+    """Sq > Sk (causal: the early rows see no key; not causal: every row sees the keys), one query
+    block, one key block, a query block that keeps nothing."""
+    q, k = random_qk(seq_q, seq_k, heads_q, heads_kv, dim, seed=10)
+    v = torch.randn(seq_k, heads_kv, dim)
+    mask = random_mask(heads_q, seq_q, seq_k, block, 0.6, seed=10)
+    mask[-1, 0] = False
+    out, lse = block_sparse_attention(q, k, v, mask, block, dim**-0.5, causal)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, block, dim**-0.5, causal)
+    assert_close(out, ref_out, 1e-4)
+    assert_close(lse, ref_lse, 1e-5)
+    assert (out[:min(block, seq_q), -1] == 0).all() and torch.isneginf(lse[-1, :min(block, seq_q)]).all()
+
+
+@interpreted_only
+def test_interpreted_bsa_strided_inputs_equal_contiguous():
+    """Rows of a fused qkv projection (TMA descriptors over strided rows) and heads that are not
+    adjacent in a row (pointer loads) give the contiguous inputs' results."""
+    qkv = torch.randn(150, 8, 64)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    mask = random_mask(4, 150, 150, 32, 0.5, seed=11)
+    ref_out, ref_lse = block_sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, 32)
+    wide = torch.randn(150, 2, 128)
+    apart_k, apart_v = wide[:, :, :64], wide[:, :, 64:]
+    apart_k.copy_(k), apart_v.copy_(v)
+    assert bsa._kv_descriptors(k, v, 32)[0] is not None and bsa._kv_descriptors(apart_k, apart_v, 32)[0] is None
+    for keys, values in ((k, v), (apart_k, apart_v)):
+        out, lse = block_sparse_attention(q, keys, values, mask, 32)
+        assert_close(out, ref_out, 1e-6)
+        assert_close(lse, ref_lse, 1e-6)
+
+
+def test_bsa_descriptor_rules():
+    """TMA descriptors only where a bulk copy is valid: power-of-two head_dim of >= 16 bytes, heads
+    adjacent in a row, 16-byte aligned base and row stride."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    k = torch.randn(100, 2, 64)
+    assert all(d is not None for d in bsa._kv_descriptors(k, k, 64))
+    assert bsa._kv_descriptors(torch.randn(100, 2, 80), torch.randn(100, 2, 80), 64) == (None, None)
+    assert bsa._kv_descriptors(torch.randn(100, 2, 2), torch.randn(100, 2, 2), 64) == (None, None)
+    odd = torch.randn(100 * 129 + 1)[1:].view(100, 129)[:, :128].view(100, 2, 64)  # 4-byte offset, stride 129
+    assert bsa._kv_descriptors(odd, odd, 64) == (None, None)
+    assert bsa._kv_descriptors(k[:, :, :32], k[:, :, :32], 64) == (None, None)
 
 
 @interpreted_only
@@ -447,4 +500,4 @@ def test_interpreted_xattn_pipeline_end_to_end():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=35)
+    run_interpreted_tests(__file__, min_passed=42)

@@ -43,17 +43,22 @@ class Attention(nn.Module):
     def _offload_forward(self, q, k, v, is_prefill: bool, batch: OffloadBatch) -> torch.Tensor:
         engine, policy = self.offload_engine, self.policy
         if is_prefill:  # one sequence, one chunk
-            ctx = PolicyContext(self.layer_id, batch.cpu_blocks[0], batch.block_lens[0], True,
-                                chunk_block=batch.chunk_blocks[0])
-            return policy.compute_chunked_prefill(q, k, v, engine, ctx)
+            out = policy.compute_chunked_prefill(q, k, v, engine, _prefill_context(batch, self.layer_id))
+            if self.layer_id + 1 < engine.num_layers:  # the next layer's first blocks load under its GEMMs
+                policy.prefetch(engine, _prefill_context(batch, self.layer_id + 1))
+            return out
         engine.store_decode_tokens(self.layer_id, batch.rows, batch.offsets, k, v)
         outs = []
         for i in range(q.size(0)):
             outs.append(policy.compute_chunked_decode(q[i:i + 1], engine, _decode_context(batch, i, self.layer_id)))
             nxt, layer = (i + 1, self.layer_id) if i + 1 < q.size(0) else (0, self.layer_id + 1)
             if layer < engine.num_layers:  # keep the copy engine busy through the rest of the layer
-                policy.prefetch_decode(engine, _decode_context(batch, nxt, layer))
+                policy.prefetch(engine, _decode_context(batch, nxt, layer))
         return torch.cat(outs)
+
+
+def _prefill_context(batch: OffloadBatch, layer_id: int) -> PolicyContext:
+    return PolicyContext(layer_id, batch.cpu_blocks[0], batch.block_lens[0], True, chunk_block=batch.chunk_blocks[0])
 
 
 def _decode_context(batch: OffloadBatch, i: int, layer_id: int) -> PolicyContext:

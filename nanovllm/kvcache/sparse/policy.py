@@ -138,11 +138,17 @@ class SparsePolicy(ABC):
         known before the query exists. Default: the whole selection (it ignores the query)."""
         return self.select_blocks(list(range(len(ctx.cpu_blocks))), None, ctx, None)
 
-    def prefetch_decode(self, offload_engine, ctx: PolicyContext) -> None:
-        """Start loading, into slots 0, 1, ..., the first N of ``blocks_before_query`` of the
-        decode call described by ``ctx``, before its query exists."""
-        known = self.blocks_before_query(ctx)[:offload_engine.num_slots]
-        for slot, index in enumerate(known):
+    def prefetch(self, offload_engine, ctx: PolicyContext) -> None:
+        """Start loading, into slots 0, 1, ..., the first N (N = ring slots) blocks that the
+        attention call described by ``ctx`` will load whatever its query, before that query
+        exists: for a decode step the start of ``blocks_before_query``; for a prefill chunk every
+        earlier block in order when prefill is dense (a block-sparse prefill selects with the
+        chunk's queries: nothing). The call takes them through ``reuse_prefetch``."""
+        if ctx.is_prefill:
+            known = list(range(len(ctx.cpu_blocks))) if self.dense_prefill else []
+        else:
+            known = self.blocks_before_query(ctx)
+        for slot, index in enumerate(known[:offload_engine.num_slots]):
             offload_engine.prefetch_to_slot_layer(slot, ctx.layer_id, ctx.cpu_blocks[index])
 
     @staticmethod

@@ -1,0 +1,75 @@
+"""CPU tests of the block lists that the block-sparse attention kernel walks
+(nanovllm.ops.block_sparse_attention.block_lists / full_layout): the kernel attends the *full*
+blocks with no mask and the *partial* ones with the causal and key-end masks, so the token mask it
+computes from the lists must be the contract's. The kernel itself is compared with its reference
+under Triton's interpreter in tests/test_xattn.py and on the GPU in tests/gpu/test_xattn_gpu.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nanovllm.ops.block_sparse_attention import block_lists, full_layout
+
+# (Sq, Sk, Hq, block_size, causal): lengths that are not block multiples, Sq < Sk with an
+# unaligned offset, Sq > Sk (early rows see no key), one query block and one key block.
+CASES = [
+    (100, 300, 4, 32, True),
+    (200, 200, 2, 64, True),
+    (130, 333, 4, 32, False),
+    (96, 64, 2, 32, True),
+    (20, 90, 4, 32, True),
+    (20, 30, 2, 32, False),
+]
+
+
+def token_mask(mask, block_size, seq_q, seq_k, causal):
+    """bool [Hq, Sq, Sk]: what query row i may see (the contract)."""
+    tokens = mask.repeat_interleave(block_size, 1)[:, :seq_q].repeat_interleave(block_size, 2)[:, :, :seq_k]
+    if causal:
+        rows = torch.arange(seq_q)[:, None] + seq_k - seq_q
+        tokens = tokens & (torch.arange(seq_k)[None, :] <= rows)
+    return tokens
+
+
+def listed_blocks(count, index, n_k):
+    """bool [Hq, nQ, nK] of the blocks a (count [Hq, nQ], index [Hq, nQ, nK]) pair lists."""
+    valid = torch.arange(index.shape[-1]) < count[..., None]
+    dense = torch.zeros(*index.shape[:-1], n_k + 1, dtype=torch.bool)
+    dense.scatter_(-1, torch.where(valid, index.long(), n_k), True)
+    return dense[..., :n_k]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lists_give_the_token_mask(case):
+    """Full blocks taken whole and partial blocks through the kernel's masks give the contract's
+    token mask, and every kept block that needs no mask is full."""
+    seq_q, seq_k, heads_q, block, causal = case
+    n_q, n_k = math.ceil(seq_q / block), math.ceil(seq_k / block)
+    mask = torch.rand((heads_q, n_q, n_k), generator=torch.Generator().manual_seed(5)) < 0.5
+    full = mask & full_layout(n_q, n_k, block, seq_q, seq_k, causal, mask.device)
+    counts, indices = block_lists(mask & ~full)
+    full_counts, full_indices = block_lists(full)
+    assert counts.shape == (heads_q, n_q) and counts.dtype == torch.int32
+    assert indices.shape == (heads_q, n_q, n_k) and indices.dtype == torch.int32
+    partial, listed_full = listed_blocks(counts, indices, n_k), listed_blocks(full_counts, full_indices, n_k)
+    assert torch.equal(listed_full, full) and torch.equal(partial | full, mask) and not (partial & full).any()
+    computed = token_mask(full, block, seq_q, seq_k, False) | token_mask(partial, block, seq_q, seq_k, causal)
+    assert torch.equal(computed, token_mask(mask, block, seq_q, seq_k, causal))
+    # Full iff kept, inside the keys and every (real row, key) pair visible.
+    pairs = torch.ones(n_q * block, n_k * block, dtype=torch.bool)
+    pairs[:, seq_k:] = False
+    pairs[:seq_q, :seq_k] = token_mask(torch.ones(1, n_q, n_k, dtype=torch.bool), block, seq_q, seq_k, causal)[0]
+    whole = pairs.view(n_q, block, n_k, block).all(3).all(1)
+    assert torch.equal(full, mask & whole)
+
+
+def test_lists_are_ascending_and_first():
+    mask = torch.tensor([[[True, False, True, True], [False, False, False, False]]])
+    full = mask & full_layout(2, 4, 32, 64, 128, True, mask.device)
+    counts, indices = block_lists(mask & ~full)
+    full_counts, full_indices = block_lists(full)
+    # Row positions 64..95 and 96..127: blocks 0 and 1 are wholly visible to query block 0.
+    assert full_counts.tolist() == [[1, 0]] and full_indices[0, 0, 0] == 0
+    assert counts.tolist() == [[2, 0]] and indices[0, 0, :2].tolist() == [2, 3]
