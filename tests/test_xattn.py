@@ -156,6 +156,12 @@ def test_block_scores_float64_and_empty():
         (dict(offset=True), "offset=True"),
         (dict(offset="3"), "offset='3'"),
         (dict(offset=float("nan")), "offset=nan"),
+        (dict(stride="8"), "stride='8'"),
+        (dict(scale="0.1"), "scale='0.1'"),
+        (dict(scale=float("nan")), "scale=nan"),
+        (dict(scale=float("inf")), "scale=inf"),
+        (dict(causal="no"), "causal='no'"),
+        (dict(causal=None), "causal=None"),
     ],
 )
 def test_block_scores_bad_arguments(kwargs, message):
@@ -176,6 +182,17 @@ def test_block_scores_bad_shapes():
         xattn_block_scores(q.half(), k[:, :1])
     with pytest.raises(ValueError, match="got q torch.int32"):
         xattn_block_scores(q.int(), k[:, :1].int())
+    with pytest.raises(ValueError, match="k must be on q's device cpu; got meta"):
+        xattn_block_scores(q, k[:, :1].to("meta"))
+    with pytest.raises(ValueError, match="k must be a torch.Tensor; got list"):
+        xattn_block_scores(q, [1, 2])
+
+
+def test_block_scores_numpy_integers():
+    """numpy integers pass the argument checks as ints (never reaching Triton as numpy values)."""
+    np = pytest.importorskip("numpy")
+    q, k = random_qk(64, 64, 4, 2, 32)
+    assert torch.equal(xattn_block_scores(q, k, np.int64(8), np.int64(16)), xattn_block_scores(q, k, 8, 16))
 
 
 def test_block_scores_offset_default_and_integer_types():
@@ -312,6 +329,18 @@ def test_bsa_bad_arguments():
         block_sparse_attention(q, k, k, mask.to("meta"), 32)
     with pytest.raises(ValueError, match="block_size=32.0"):
         block_sparse_attention(q, k, k, mask, 32.0)
+    with pytest.raises(ValueError, match="block_size='32'"):
+        block_sparse_attention(q, k, k, mask, "32")
+    with pytest.raises(ValueError, match="v must be on q's device cpu; got meta"):
+        block_sparse_attention(q, k, k.to("meta"), mask, 32)
+    with pytest.raises(ValueError, match="mask must be a torch.Tensor; got NoneType"):
+        block_sparse_attention(q, k, k, None, 32)
+    for scale in ("0.1", float("nan"), float("inf"), 1j):
+        with pytest.raises(ValueError, match="scale=.* must be a finite real number"):
+            block_sparse_attention(q, k, k, mask, 32, scale)
+    for causal in ("no", None, 2):
+        with pytest.raises(ValueError, match="causal=.* must be a bool"):
+            block_sparse_attention(q, k, k, mask, 32, None, causal)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreter)
@@ -398,6 +427,37 @@ def test_interpreted_block_scores_tma_and_pointer_paths(monkeypatch, seq_q, seq_
     assert_close(tma, xattn_block_scores_ref(q.contiguous(), k.contiguous(), 8, 64, causal=causal), 1e-4)
 
 
+@interpreted_only
+def test_interpreted_head_major_and_numpy_arguments():
+    """Head-major q/k (heads not adjacent in a row) take the pointer path and equal the
+    reference; numpy integers reach the kernels as ints."""
+    np = pytest.importorskip("numpy")
+    q = torch.randn(4, 256, 64).transpose(0, 1)
+    k = torch.randn(2, 256, 64).transpose(0, 1)
+    assert xe._strided_descriptors(q, k, 8, xe._partials_config(q, 8, 64, True)) == (None, None)
+    ref = xattn_block_scores_ref(q.contiguous(), k.contiguous(), 8, 64)
+    assert_close(xattn_block_scores(q, k, np.int64(8), np.int64(64)), ref, 1e-4)
+    v = torch.randn(256, 2, 64)
+    mask = random_mask(4, 256, 256, 64, 0.5, seed=12)
+    out, _ = block_sparse_attention(q, k, v, mask, np.int64(64))
+    assert_close(out, block_sparse_attention_ref(q, k, v, mask, 64)[0], 1e-4)
+
+
+@interpreted_only
+def test_interpreted_bsa_nan_propagates():
+    """A NaN key gives NaN in out and lse for the rows that attend to it, as in the reference,
+    never lse -inf (which an LSE merge would drop as "no key")."""
+    q, k = random_qk(128, 128, 2, 1, 64, seed=13)
+    v = torch.randn(128, 1, 64)
+    k[50, 0, 0] = float("nan")
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    out, lse = block_sparse_attention(q, k, v, mask, 64)
+    ref_out, ref_lse = block_sparse_attention_ref(q, k, v, mask, 64)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.isnan(lse[:, 50:]).all()
+    assert not torch.isneginf(lse).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out)) and not torch.isnan(out[:50]).any()
+
+
 def test_strided_descriptor_rules():
     """TMA only where the strided view stays inside the tensors and a bulk copy is valid."""
     pytest.importorskip("triton.tools.tensor_descriptor")
@@ -408,6 +468,9 @@ def test_strided_descriptor_rules():
     assert xe._strided_descriptors(q, k[:251], 8, config) == (None, None)
     odd = torch.randn(256, 4, 80)
     assert xe._strided_descriptors(odd, odd[:, :2], 8, xe._partials_config(odd, 8, 128, True)) == (None, None)
+    head_major = torch.randn(2, 256, 64).transpose(0, 1)
+    assert xe._strided_descriptors(q, head_major, 8, config) == (None, None)
+    assert xe._strided_descriptors(q, torch.randn(1, 2, 64).expand(256, 2, 64), 8, config) == (None, None)
 
 
 @interpreted_only
@@ -505,6 +568,8 @@ def test_bsa_descriptor_rules():
     odd = torch.randn(100 * 129 + 1)[1:].view(100, 129)[:, :128].view(100, 2, 64)  # 4-byte offset, stride 129
     assert bsa._kv_descriptors(odd, odd, 64) == (None, None)
     assert bsa._kv_descriptors(k[:, :, :32], k[:, :, :32], 64) == (None, None)
+    expanded = torch.randn(1, 2, 64).expand(100, 2, 64)
+    assert bsa._kv_descriptors(expanded, expanded, 64) == (None, None)
 
 
 @interpreted_only
@@ -530,4 +595,4 @@ def test_interpreted_xattn_pipeline_end_to_end():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=45)
+    run_interpreted_tests(__file__, min_passed=47)

@@ -5,10 +5,11 @@ installs) ``triton.jit`` is the identity and ``tl.constexpr`` a placeholder, so 
 import; ``use_triton`` is then always False and no kernel is launched.
 """
 
+import math
 import operator
 import os
 import types
-from numbers import Integral
+from numbers import Integral, Real
 
 import torch
 
@@ -91,6 +92,35 @@ def check_offset(offset) -> int | None:
         return operator.index(offset)
     except TypeError:
         raise ValueError(f"offset={offset!r} must be an int (the key position of query row 0, any sign)") from None
+
+
+def check_scale(scale) -> float | None:
+    """``scale`` as a float (None stays None); ValueError unless it is a finite real number (a
+    string, bool, complex, NaN or inf is refused)."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, str)) or not isinstance(scale, Real) or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite real number (the softmax scale)")
+    return float(scale)
+
+
+def check_causal(causal) -> bool:
+    """``causal`` as a bool; ValueError for anything but True/False (or 1/0)."""
+    if causal not in (True, False) or isinstance(causal, str):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    return bool(causal)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """ValueError unless the named tensors (the first is the reference) are torch tensors on one
+    device."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    (first, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != ref.device:
+            raise ValueError(f"{name} must be on {first}'s device {ref.device}; got {t.device}")
 
 
 def next_pow2(n: int) -> int:

@@ -17,12 +17,13 @@ under Triton's interpreter in the CPU tests.
 import torch
 
 from ._triton import (
-    LOG2E, block_dim, cdiv, check_float_dtype, check_gqa, check_head_dim, is_pow2, online_softmax_step, tl, triton,
-    use_triton,
+    LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_same_device, check_scale,
+    is_pow2, online_softmax_step, tl, triton, use_triton,
 )
 
 
 def _check_args(q, k, v, mask, block_size) -> None:
+    check_same_device(q=q, k=k, v=v, mask=mask)
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"expected q [Sq, Hq, D] and k, v [Sk, Hkv, D] of one shape and D; got q {tuple(q.shape)}, "
@@ -32,9 +33,7 @@ def _check_args(q, k, v, mask, block_size) -> None:
     check_head_dim(q.shape[2])
     check_float_dtype(q=q, k=k, v=v)
     if not is_pow2(block_size) or not 16 <= block_size <= 1024:
-        raise ValueError(f"block_size={block_size} must be a power of two in 16..1024")
-    if mask.device != q.device:
-        raise ValueError(f"mask must be on q's device {q.device}; got {mask.device}")
+        raise ValueError(f"block_size={block_size!r} must be a power of two in 16..1024")
     expected = (q.shape[1], cdiv(q.shape[0], block_size), cdiv(k.shape[0], block_size))
     if mask.dtype != torch.bool or tuple(mask.shape) != expected:
         raise ValueError(
@@ -56,6 +55,7 @@ def block_sparse_attention_ref(
     scores (float64 inputs: float64) with -inf outside the kept blocks and, if causal, above the
     bottom-right diagonal; one head and at most 4096 query rows at a time."""
     _check_args(q, k, v, mask, block_size)
+    block_size, scale, causal = int(block_size), check_scale(scale), check_causal(causal)
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     scale = dim**-0.5 if scale is None else scale
@@ -228,7 +228,7 @@ def _bsa_kernel(
     m_i, l_i, acc = _bsa_list(q, k_src, v_src, col, tl.load(count_ptr + lists), index_ptr + rows_at, seq_k,
                               q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE, BLOCK_N,
                               True, CAUSAL, EVEN_D, TMA, DOT_PRECISION, WHILE_LOOP)
-    seen = l_i > 0
+    seen = l_i != 0  # 0: no key seen; NaN (NaN/inf inputs) propagates to out and lse
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_os + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
@@ -239,14 +239,15 @@ def _bsa_kernel(
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
     """Tensor descriptors of k and v viewed as ``[Sk, Hkv * D]`` with ``[block_n, D]`` tiles, or
     ``(None, None)`` where the bulk-copy rules rule them out: head_dim not a power of two >= 16
-    bytes (a tile would cross into the next head), heads not adjacent in a row, or a base address
-    or row stride that is not a multiple of 16 bytes; also where Triton has no descriptors."""
+    bytes (a tile would cross into the next head), heads not adjacent in a row, a row stride of 0
+    (expanded rows), or a base address or row stride that is not a multiple of 16 bytes; also
+    where Triton has no descriptors."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None, None
     dim, size = k.shape[2], k.element_size()
-    rows = [t.flatten(1) for t in (k, v) if t.stride(1) == dim]
+    rows = [t.flatten(1) for t in (k, v) if t.stride(1) == dim and t.stride(0) > 0]
     if (len(rows) < 2 or block_dim(dim) != dim or dim * size < 16
             or any(t.data_ptr() % 16 or t.stride(0) * size % 16 for t in rows)):
         return None, None
@@ -321,9 +322,13 @@ def block_sparse_attention(
         ``(out [Sq, Hq, D] in q.dtype, lse float32 [Hq, Sq])``, lse the natural log of the sum of
         exp(scaled scores) over the attended keys. Rows that see no key: out 0, lse -inf.
 
+        NaN or inf in the inputs give NaN (or inf) in out and lse, as in the reference; never a
+        silent -inf that a later LSE merge would drop.
+
     Raises:
-        ValueError: shapes that disagree, Hq not a multiple of Hkv, D outside 1..256, block_size
-            not a power of two in 16..1024, or mask not bool of the shape above.
+        ValueError: q/k/v/mask not tensors on one device, shapes that disagree, Hq not a multiple
+            of Hkv, D outside 1..256, block_size not a power of two in 16..1024, mask not bool of
+            the shape above, scale not a finite real number, or causal not a bool.
 
     CUDA: one Triton kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 128-key tiles, 8 warps;
     rows over 256 bytes, e.g. head_dim > 128: 64 x 64, 4 warps; tiles no larger than the block),
@@ -336,7 +341,8 @@ def block_sparse_attention(
     under the interpreter).
     """
     _check_args(q, k, v, mask, block_size)
-    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    block_size, scale, causal = int(block_size), check_scale(scale), check_causal(causal)
+    scale = q.shape[2] ** -0.5 if scale is None else scale
     if q.dtype == torch.float64 or not use_triton(q):
         return block_sparse_attention_ref(q, k, v, mask, block_size, scale, causal)
     if q.shape[0] == 0 or k.shape[0] == 0:

@@ -17,12 +17,15 @@ block ``c`` is key positions ``c*block_size ..``; the last block of each may be 
 import torch
 
 from ._triton import (
-    LOG2E, block_dim, cdiv, check_float_dtype, check_gqa, check_head_dim, check_offset, is_pow2, next_pow2, tl, triton,
-    use_triton,
+    LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset, check_same_device,
+    check_scale, is_pow2, next_pow2, tl, triton, use_triton,
 )
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
+def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> int:
+    """Raise ValueError for bad q/k/stride (see :func:`xattn_block_scores`); returns stride as an
+    int (numpy integers pass the check and must not reach Triton)."""
+    check_same_device(q=q, k=k)
     if q.dim() != 3 or k.dim() != 3 or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"expected q [Sq, Hq, D] and k [Sk, Hkv, D] with one D; got q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -31,7 +34,8 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, stride: int) -> None:
     check_head_dim(q.shape[2])
     check_float_dtype(q=q, k=k)
     if not is_pow2(stride) or stride > 64:
-        raise ValueError(f"stride={stride} must be a power of two in 1..64")
+        raise ValueError(f"stride={stride!r} must be a power of two in 1..64")
+    return int(stride)
 
 
 def query_offset(q: torch.Tensor, k: torch.Tensor, offset) -> int:
@@ -40,12 +44,14 @@ def query_offset(q: torch.Tensor, k: torch.Tensor, offset) -> int:
     return k.shape[0] - q.shape[0] if offset is None else offset
 
 
-def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
-    _check_qk(q, k, stride)
+def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> tuple[int, int]:
+    """:func:`_check_qk` and the block size; returns ``(stride, block_size)`` as ints."""
+    stride = _check_qk(q, k, stride)
     if not is_pow2(block_size) or block_size < stride or block_size > 1024:
         raise ValueError(
-            f"block_size={block_size} must be a power of two in stride={stride}..1024"
+            f"block_size={block_size!r} must be a power of two in stride={stride}..1024"
         )
+    return stride, int(block_size)
 
 
 def _strided_layout(q: torch.Tensor, k: torch.Tensor, stride: int, causal: bool, offset: int):
@@ -86,8 +92,9 @@ def xattn_block_scores_ref(
     Materialises the reshaped Q'/K' and one head's ``[Sq/stride, Sk/stride]`` score matrix at a
     time, in float32 (float64 inputs compute in float64); the result is float32.
     """
-    _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = _check_estimate_args(q, k, stride, block_size)
     offset = query_offset(q, k, offset)
+    scale, causal = check_scale(scale), check_causal(causal)
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     scale = dim**-0.5 if scale is None else scale
@@ -499,16 +506,18 @@ def _strided_descriptors(q: torch.Tensor, k: torch.Tensor, stride: int, config: 
     view holds S consecutive token rows; strided row r's sub-row ``S-1-i`` of head h starts at
     column ``(S-1-i) * row stride + h * head stride``), with ``[BLOCK_M, D]`` / ``[BLOCK_N, D]``
     tiles; or ``(None, None)`` where the bulk-copy rules or the view rule them out: Sq or Sk not
-    a multiple of S (the last strided row would read past the tensor), head_dim not a power of
-    two of >= 16 bytes, a base address or view row stride not a multiple of 16 bytes, or no
-    descriptors in this Triton."""
+    a multiple of S (the last strided row would read past the tensor), heads not adjacent in a
+    row (a head-major layout puts heads past the view's row), a row stride of 0, head_dim not a
+    power of two of >= 16 bytes, a base address or view row stride not a multiple of 16 bytes, or
+    no descriptors in this Triton."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None, None
     dim, size = q.shape[2], q.element_size()
     if (q.shape[0] % stride or k.shape[0] % stride or config["BLOCK_D"] != dim or dim * size < 16
-            or any(t.data_ptr() % 16 or t.stride(0) * stride * size % 16 for t in (q, k))):
+            or any(t.stride(1) != dim or t.stride(0) <= 0 or t.data_ptr() % 16 or t.stride(0) * stride * size % 16
+                   for t in (q, k))):
         return None, None
     return tuple(TensorDescriptor(t, [t.shape[0] // stride, stride * t.stride(0)], [stride * t.stride(0), 1],
                                   [rows, dim]) for t, rows in ((q, config["BLOCK_M"]), (k, config["BLOCK_N"])))
@@ -609,9 +618,10 @@ def xattn_block_scores(
     CPU: :func:`xattn_block_scores_ref` (or the kernels under the interpreter, see
     ``nanovllm.ops._triton``).
     """
-    _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = _check_estimate_args(q, k, stride, block_size)
     offset = query_offset(q, k, offset)
-    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    scale, causal = check_scale(scale), check_causal(causal)
+    scale = q.shape[2] ** -0.5 if scale is None else scale
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_block_scores_ref(q, k, stride, block_size, scale, causal, offset)
     return _launch_block_scores(q, k, stride, block_size, scale, causal, offset)

@@ -54,7 +54,7 @@ def xattn_row_stats_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of :func:`xattn_row_stats` (same arguments and results); one head's
     ``[Sq/stride, Sk/stride]`` strided scores at a time, in float32 (float64 inputs: float64)."""
-    _check_qk(q, k, stride)
+    stride = _check_qk(q, k, stride)
     heads_q, heads_kv = q.shape[1], k.shape[1]
     scale = q.shape[2] ** -0.5 if scale is None else scale
     n_qs = cdiv(q.shape[0], stride)
@@ -101,7 +101,7 @@ def xattn_row_stats(
     CUDA: a Triton kernel, the strided GEMM with online-softmax statistics (no reshape copy). CPU:
     the reference.
     """
-    _check_qk(q, k, stride)
+    stride = _check_qk(q, k, stride)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_row_stats_ref(q, k, stride, scale, causal, offset)
@@ -125,7 +125,7 @@ def xattn_block_sums_ref(
     block_size: int = 128, scale: float | None = None, causal: bool = True, offset: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`xattn_block_sums` (same arguments and result)."""
-    _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = _check_estimate_args(q, k, stride, block_size)
     _check_stats(q, stride, row_max, row_sumexp)
     heads_q, heads_kv = q.shape[1], k.shape[1]
     scale = q.shape[2] ** -0.5 if scale is None else scale
@@ -173,7 +173,7 @@ def xattn_block_sums(
     CUDA: a Triton kernel recomputing the strided GEMM, normalising it by the given statistics and
     summing blocks. CPU: the reference.
     """
-    _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = _check_estimate_args(q, k, stride, block_size)
     _check_stats(q, stride, row_max, row_sumexp)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if q.dtype == torch.float64 or not use_triton(q):
@@ -210,7 +210,7 @@ def xattn_block_mask(
         ValueError: bad shapes, stride, block_size or threshold, ``Sk < Sq``, or a chunk_size that
             is not a positive multiple of block_size.
     """
-    _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = _check_estimate_args(q, k, stride, block_size)
     seq_q, seq_k = q.shape[0], k.shape[0]
     if seq_k < seq_q:
         raise ValueError(f"causal prefill needs Sk >= Sq; got Sq={seq_q}, Sk={seq_k}")
