@@ -152,6 +152,22 @@ def test_merge_ref_neg_inf_is_exact_and_nan_free(dtype):
     check_neg_inf_merge(out, lse, o1, lse1, o2, lse2)
 
 
+def check_nan_merge(merge):
+    """A NaN lse, or NaN in a non-empty side's o, propagates to o (and, for the lse, to lse)."""
+    o1, o2 = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    lse1, lse2 = torch.randn(1, 2, 4), torch.randn(1, 2, 4)
+    lse1[0, 0, 1] = float("nan")
+    o2[0, 2, 1, 3] = float("nan")
+    out, lse = merge(o1, lse1, o2, lse2)
+    assert torch.isnan(out[0, 1, 0]).all() and torch.isnan(lse[0, 0, 1])
+    assert torch.isnan(out[0, 2, 1, 3]) and not torch.isnan(lse[0, 1, 2])
+    assert not torch.isnan(out[0, 0]).any() and not torch.isnan(out[0, 3]).any()
+
+
+def test_merge_ref_propagates_nan():
+    check_nan_merge(merge_attention_outputs_ref)
+
+
 def prefill_case(dtype, seqlens_q, prefixes, block_size=4, heads_q=6, heads_kv=2, dim=16):
     """Packed q/k/v plus a paged cache holding [prefix, new] of every sequence."""
     seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
@@ -321,6 +337,11 @@ def test_interpreted_store_kvcache(slot_dtype):
 
 
 @interpreted_only
+def test_interpreted_merge_propagates_nan():
+    check_nan_merge(merge_attention_outputs)
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interpreted_merge_matches_reference(dtype):
     o1, lse1, o2, lse2 = neg_inf_merge_inputs(dtype)
@@ -446,4 +467,4 @@ def test_interpreted_apply_rotary_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=23)
+    run_interpreted_tests(__file__, min_passed=24)

@@ -196,7 +196,9 @@ def merge_attention_outputs_ref(
     inv = torch.where(total > 0, 1.0 / total, 0.0)
     c1 = (w1 * inv).transpose(1, 2).unsqueeze(-1)
     c2 = (w2 * inv).transpose(1, 2).unsqueeze(-1)
-    out = torch.where(c1 > 0, o1.to(dtype) * c1, 0.0) + torch.where(c2 > 0, o2.to(dtype) * c2, 0.0)
+    empty1 = torch.isneginf(lse1).transpose(1, 2).unsqueeze(-1)
+    empty2 = torch.isneginf(lse2).transpose(1, 2).unsqueeze(-1)
+    out = torch.where(empty1, 0.0, o1.to(dtype) * c1) + torch.where(empty2, 0.0, o2.to(dtype) * c2)
     return out.to(o1.dtype), lse.float()
 
 
@@ -227,7 +229,9 @@ def _merge_kernel(
     c2 = (w2 * inv)[:, None]
     o1 = tl.load(o1_ptr + b * stride_o1b + s * stride_o1s + h[:, None] * stride_o1h + d[None, :], mask=mask)
     o2 = tl.load(o2_ptr + b * stride_o2b + s * stride_o2s + h[:, None] * stride_o2h + d[None, :], mask=mask)
-    out = tl.where(c1 > 0, o1.to(tl.float32) * c1, 0.0) + tl.where(c2 > 0, o2.to(tl.float32) * c2, 0.0)
+    empty1 = (lse1 == float("-inf"))[:, None]  # an empty side adds nothing, even NaN garbage; a NaN lse propagates
+    empty2 = (lse2 == float("-inf"))[:, None]
+    out = tl.where(empty1, 0.0, o1.to(tl.float32) * c1) + tl.where(empty2, 0.0, o2.to(tl.float32) * c2)
     out_off = b * stride_ob + s * stride_os + h[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + lse_off, top + tl.log(total), mask=h_mask)
@@ -246,7 +250,8 @@ def merge_attention_outputs(
         ``(o [B, S, H, D] in o1.dtype, lse float32 [B, H, S])`` with ``m = max(lse1, lse2)``,
         ``o = (o1 e^(lse1-m) + o2 e^(lse2-m)) / (e^(lse1-m) + e^(lse2-m))``, ``lse = m + log(sum)``.
         A side with lse -inf contributes nothing (the other side comes back exactly, even if the
-        -inf side holds NaN); both -inf give o 0 and lse -inf; never NaN from -inf inputs.
+        -inf side holds NaN); both -inf give o 0 and lse -inf; never NaN from -inf inputs. A NaN
+        lse, or NaN in the o of a side that is not empty, gives NaN (it is never dropped).
 
     Raises:
         ValueError: o1/o2 shapes differ, lse shapes are not [B, H, S], or D outside 1..256.
