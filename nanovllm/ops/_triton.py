@@ -106,7 +106,7 @@ def check_scale(scale) -> float | None:
 
 def check_causal(causal) -> bool:
     """``causal`` as a bool; ValueError for anything but True/False (or 1/0)."""
-    if causal not in (True, False) or isinstance(causal, str):
+    if causal not in (True, False):
         raise ValueError(f"causal={causal!r} must be a bool")
     return bool(causal)
 
@@ -121,6 +121,26 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for name, t in rest:
         if t.device != ref.device:
             raise ValueError(f"{name} must be on {first}'s device {ref.device}; got {t.device}")
+
+
+def row_group_descriptor(t: torch.Tensor, group: int, block_rows: int):
+    """A TMA tensor descriptor of ``t [S, H, D]`` viewed as ``[S / group, (group - 1) * row stride
+    + H * D]``: view row r holds token rows ``r * group ..``, and token row ``r * group + i`` of
+    head h starts at column ``i * row stride + h * D``; tiles of ``[block_rows, D]``, rows past the
+    end read as zero. None where the view or the bulk-copy rules rule it out: S not a multiple of
+    ``group`` (the last view row would run past the tensor), heads not adjacent in a row, a row
+    stride of 0, head_dim not a power of two of >= 16 bytes, a base address or view row stride not
+    a multiple of 16 bytes; also where Triton has no host-side descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    seq, heads, dim = t.shape
+    size, row = t.element_size(), t.stride(0)
+    if (seq % group or t.stride(1) != dim or row <= 0 or block_dim(dim) != dim or dim * size < 16
+            or t.data_ptr() % 16 or group * row * size % 16):
+        return None
+    return TensorDescriptor(t, [seq // group, (group - 1) * row + heads * dim], [group * row, 1], [block_rows, dim])
 
 
 def next_pow2(n: int) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from ._triton import (
     LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_same_device, check_scale,
-    is_pow2, online_softmax_step, tl, triton, use_triton,
+    is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
 )
 
 
@@ -237,21 +237,11 @@ def _bsa_kernel(
 
 
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
-    """Tensor descriptors of k and v viewed as ``[Sk, Hkv * D]`` with ``[block_n, D]`` tiles, or
-    ``(None, None)`` where the bulk-copy rules rule them out: head_dim not a power of two >= 16
-    bytes (a tile would cross into the next head), heads not adjacent in a row, a row stride of 0
-    (expanded rows), or a base address or row stride that is not a multiple of 16 bytes; also
-    where Triton has no descriptors."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None, None
-    dim, size = k.shape[2], k.element_size()
-    rows = [t.flatten(1) for t in (k, v) if t.stride(1) == dim and t.stride(0) > 0]
-    if (len(rows) < 2 or block_dim(dim) != dim or dim * size < 16
-            or any(t.data_ptr() % 16 or t.stride(0) * size % 16 for t in rows)):
-        return None, None
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [block_n, dim]) for t in rows)
+    """Tensor descriptors of k and v viewed as ``[Sk, Hkv * D]`` with ``[block_n, D]`` tiles
+    (:func:`nanovllm.ops._triton.row_group_descriptor` with groups of one row), or
+    ``(None, None)`` where either is ruled out."""
+    descriptors = tuple(row_group_descriptor(t, 1, block_n) for t in (k, v))
+    return (None, None) if any(d is None for d in descriptors) else descriptors
 
 
 def _tiles(q: torch.Tensor, block_size: int) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ import torch
 
 from ._triton import (
     LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset, check_same_device,
-    check_scale, is_pow2, next_pow2, tl, triton, use_triton,
+    check_scale, is_pow2, next_pow2, row_group_descriptor, tl, triton, use_triton,
 )
 
 
@@ -244,7 +244,7 @@ def _block_sum_tile(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     j = j0 + tl.arange(0, BLOCK_N)
-    s = _strided_scores(q_head, k_head, r, j, j0, j0, 0, 0, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
+    s = _strided_scores(q_head, k_head, r, j, 0, 0, 0, 0, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
                         STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION, False) * scale_log2
     vis = _strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL) & row_ok[:, None]
     p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0) * inv_l[:, None]
@@ -502,25 +502,14 @@ def _partials_config(q, stride, block_size, causal) -> dict:
 
 
 def _strided_descriptors(q: torch.Tensor, k: torch.Tensor, stride: int, config: dict):
-    """TMA tensor descriptors of q and k viewed as ``[rows / S, S * row stride]`` (a row of the
-    view holds S consecutive token rows; strided row r's sub-row ``S-1-i`` of head h starts at
-    column ``(S-1-i) * row stride + h * head stride``), with ``[BLOCK_M, D]`` / ``[BLOCK_N, D]``
-    tiles; or ``(None, None)`` where the bulk-copy rules or the view rule them out: Sq or Sk not
-    a multiple of S (the last strided row would read past the tensor), heads not adjacent in a
-    row (a head-major layout puts heads past the view's row), a row stride of 0, head_dim not a
-    power of two of >= 16 bytes, a base address or view row stride not a multiple of 16 bytes, or
-    no descriptors in this Triton."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None, None
-    dim, size = q.shape[2], q.element_size()
-    if (q.shape[0] % stride or k.shape[0] % stride or config["BLOCK_D"] != dim or dim * size < 16
-            or any(t.stride(1) != dim or t.stride(0) <= 0 or t.data_ptr() % 16 or t.stride(0) * stride * size % 16
-                   for t in (q, k))):
-        return None, None
-    return tuple(TensorDescriptor(t, [t.shape[0] // stride, stride * t.stride(0)], [stride * t.stride(0), 1],
-                                  [rows, dim]) for t, rows in ((q, config["BLOCK_M"]), (k, config["BLOCK_N"])))
+    """TMA tensor descriptors of q and k in groups of S rows
+    (:func:`nanovllm.ops._triton.row_group_descriptor`: strided row r's sub-row ``S-1-i`` of head
+    h is view row r at column ``(S-1-i) * row stride + h * D``), with ``[BLOCK_M, D]`` /
+    ``[BLOCK_N, D]`` tiles; ``(None, None)`` where either is ruled out (e.g. Sq or Sk not a
+    multiple of S, or a head-major layout)."""
+    descriptors = (row_group_descriptor(q, stride, config["BLOCK_M"]),
+                   row_group_descriptor(k, stride, config["BLOCK_N"]))
+    return (None, None) if any(d is None for d in descriptors) else descriptors
 
 
 def _launch_block_scores(q, k, stride, block_size, scale, causal, offset):
