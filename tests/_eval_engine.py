@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_gpu_blocks", "block_size", "sparse_policy", "sparse_topk_blocks",
-                 "sparse_threshold_blocks", "sparse_threshold", "num_cpu_blocks", "device", "dtype",
+                 "sparse_threshold_blocks", "sparse_threshold", "sparse_stride", "num_cpu_blocks", "device", "dtype",
                  "enforce_eager")
 
 
@@ -34,6 +34,7 @@ class EngineSettings:
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
     sparse_threshold: float = 0.9
+    sparse_stride: int = 8
     num_cpu_blocks: int | None = None
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
@@ -80,6 +81,8 @@ class EngineSettings:
         if not (isinstance(self.sparse_threshold, (int, float)) and math.isfinite(self.sparse_threshold)
                 and 0.0 <= self.sparse_threshold <= 1.0):
             raise ValueError(f"sparse-threshold must be in [0, 1], got {self.sparse_threshold!r}")
+        if self.sparse_stride < 1 or self.sparse_stride & (self.sparse_stride - 1) or self.sparse_stride > 64:
+            raise ValueError(f"sparse-stride must be a power of two in [1, 64], got {self.sparse_stride}")
 
     def engine_kwargs(self, max_model_len: int | None = None, max_num_seqs: int = 1) -> dict:
         """Keyword arguments of :class:`nanovllm.LLM` (``max_model_len`` defaults to the
@@ -89,7 +92,7 @@ class EngineSettings:
         kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
                   dtype=self.dtype, enforce_eager=self.enforce_eager, sparse_policy=self.sparse_policy,
                   sparse_topk_blocks=self.sparse_topk_blocks, sparse_threshold_blocks=self.sparse_threshold_blocks,
-                  sparse_threshold=self.sparse_threshold)
+                  sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
             kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
@@ -119,6 +122,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--sparse-threshold", type=float, default=0.9,
                    help="XATTN_BSA: share of the estimated attention mass kept per query block, in [0, 1] "
                         "(default 0.9)")
+    p.add_argument("--sparse-stride", type=int, default=8,
+                   help="XATTN_BSA: antidiagonal stride of the block estimate, a power of two in [1, 64] "
+                        "(default 8)")
     if before_device is not None:
         before_device(p)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

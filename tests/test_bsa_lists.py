@@ -1,16 +1,18 @@
 """CPU tests of the block lists that the block-sparse attention kernel walks
-(nanovllm.ops.block_sparse_attention.block_lists / full_layout): the kernel attends the *full*
-blocks with no mask and the *partial* ones with the causal and key-end masks, so the token mask it
-computes from the lists must be the contract's. The kernel itself is compared with its reference
-under Triton's interpreter in tests/test_xattn.py and on the GPU in tests/gpu/test_xattn_gpu.py.
+(nanovllm.ops.block_lists): the attention kernel attends the *full* blocks with no mask and the
+*partial* ones with the causal and key-end masks, so the token mask it computes from the lists
+must be the contract's (checked on the torch reference); the lists kernel must give the
+reference's lists (under Triton's interpreter here, on the GPU in tests/gpu/test_xattn_gpu.py).
+The attention kernel itself is compared with its reference in tests/test_xattn.py.
 """
 
 import math
 
 import pytest
 import torch
+from _interpreter import interpreted_only, run_interpreted_tests
 
-from nanovllm.ops.block_sparse_attention import block_lists, full_layout
+from nanovllm.ops.block_lists import full_layout, kept_block_lists, kept_block_lists_ref
 
 # (Sq, Sk, Hq, block_size, causal): lengths that are not block multiples, Sq < Sk with an
 # unaligned offset, Sq > Sk (early rows see no key), one query block and one key block.
@@ -48,13 +50,13 @@ def test_lists_give_the_token_mask(case):
     seq_q, seq_k, heads_q, block, causal = case
     n_q, n_k = math.ceil(seq_q / block), math.ceil(seq_k / block)
     mask = torch.rand((heads_q, n_q, n_k), generator=torch.Generator().manual_seed(5)) < 0.5
-    full = mask & full_layout(n_q, n_k, block, seq_q, seq_k, causal, mask.device)
-    counts, indices = block_lists(mask & ~full)
-    full_counts, full_indices = block_lists(full)
+    full_counts, full_indices, counts, indices = kept_block_lists_ref(mask, block, seq_q, seq_k, causal)
+    full = listed_blocks(full_counts, full_indices, n_k)
     assert counts.shape == (heads_q, n_q) and counts.dtype == torch.int32
     assert indices.shape == (heads_q, n_q, n_k) and indices.dtype == torch.int32
-    partial, listed_full = listed_blocks(counts, indices, n_k), listed_blocks(full_counts, full_indices, n_k)
-    assert torch.equal(listed_full, full) and torch.equal(partial | full, mask) and not (partial & full).any()
+    partial = listed_blocks(counts, indices, n_k)
+    assert torch.equal(partial | full, mask) and not (partial & full).any()
+    assert torch.equal(full, mask & full_layout(n_q, n_k, block, seq_q, seq_k, causal, mask.device))
     computed = token_mask(full, block, seq_q, seq_k, False) | token_mask(partial, block, seq_q, seq_k, causal)
     assert torch.equal(computed, token_mask(mask, block, seq_q, seq_k, causal))
     # Full iff kept, inside the keys and every (real row, key) pair visible.
@@ -67,9 +69,32 @@ def test_lists_give_the_token_mask(case):
 
 def test_lists_are_ascending_and_first():
     mask = torch.tensor([[[True, False, True, True], [False, False, False, False]]])
-    full = mask & full_layout(2, 4, 32, 64, 128, True, mask.device)
-    counts, indices = block_lists(mask & ~full)
-    full_counts, full_indices = block_lists(full)
+    full_counts, full_indices, counts, indices = kept_block_lists_ref(mask, 32, 64, 128, True)
     # Row positions 64..95 and 96..127: blocks 0 and 1 are wholly visible to query block 0.
     assert full_counts.tolist() == [[1, 0]] and full_indices[0, 0, 0] == 0
     assert counts.tolist() == [[2, 0]] and indices[0, 0, :2].tolist() == [2, 3]
+
+
+def _assert_same_lists(got, want):
+    """Equal counts, and equal indices wherever a count says they are listed."""
+    for (count, index), (ref_count, ref_index) in zip((got[:2], got[2:]), (want[:2], want[2:])):
+        assert torch.equal(count, ref_count)
+        listed = torch.arange(index.shape[-1]) < count[..., None]
+        assert torch.equal(index[listed], ref_index[listed])
+
+
+@interpreted_only
+@pytest.mark.parametrize("case", CASES + [(1000, 1000, 3, 16, True), (64, 4096, 2, 16, True)])
+@pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
+def test_interpreted_kernel_lists_match_reference(case, density):
+    """The lists kernel (one program per query block, prefix sums) gives the reference's lists,
+    for empty, random and full masks, nK not a power of two and nK = 256."""
+    seq_q, seq_k, heads_q, block, causal = case
+    n_q, n_k = math.ceil(seq_q / block), math.ceil(seq_k / block)
+    mask = torch.rand((heads_q, n_q, n_k), generator=torch.Generator().manual_seed(7)) < density
+    _assert_same_lists(kept_block_lists(mask, block, seq_q, seq_k, causal),
+                       kept_block_lists_ref(mask, block, seq_q, seq_k, causal))
+
+
+def test_triton_kernels_under_interpreter():
+    run_interpreted_tests(__file__, min_passed=24)

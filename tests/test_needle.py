@@ -332,7 +332,8 @@ TEST_IDS = [f"depth{p}-{n}tok" for p, n in TEST_CASES]
 # (densities 0.341 and 0.327). Exact block masses at 0.9 find it (density 0.306): the antidiagonal estimate at stride
 # 8 misses the needle's blocks (docs/sparse.md).
 XATTN_KNOWN_MISSES = {0.1: "measured: XAttention's stride-8 estimate at threshold 0.9 (density 0.34) loses the "
-                           "needle at depth 0.1 on SmolLM2-135M (CPU and H200); threshold 0.97 finds it"}
+                           "needle at depth 0.1 on SmolLM2-135M (CPU and H200; stride 2 finds it in float32 "
+                           "only); threshold 0.97 finds it"}
 
 def _module_llm(settings: dict):
     from nanovllm.fetch import fetch_model
@@ -420,6 +421,7 @@ def test_needle_argument_errors(capsys):
         (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
         (["--sparse-policy", "XATTN_BSA", "--sparse-threshold", "1.2"], "sparse-threshold must be in [0, 1]"),
+        (["--sparse-policy", "XATTN_BSA", "--sparse-stride", "3"], "sparse-stride must be a power of two"),
         (["--enable-offload", "--input-len", "4096", "--num-cpu-blocks", "2"], "num-cpu-blocks=2 cannot hold"),
     ]
     for argv, message in cases:

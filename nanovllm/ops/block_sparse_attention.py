@@ -8,10 +8,10 @@ forward (Dao 2023; online softmax in fp32 with exp2) over, per query tile, only 
 query block keeps. The kept blocks come as two lists built on the device from the mask: *full*
 blocks (every key visible to every row: no masks) and *partial* ones (crossing the causal diagonal
 or the end of the keys), each walked in one flat loop of key tiles so Triton pipelines the K/V
-loads (TMA bulk copies where allowed) across blocks. On the H200 it ran 10-15% faster than
-FlexAttention (``torch.nn.attention.flex_attention`` with a ``BlockMask`` from the same lists,
-TMA, 128 x 128 tiles) at densities 0.1-0.5 (docs/benchmarks.md), needs no torch.compile and runs
-under Triton's interpreter in the CPU tests.
+loads (TMA bulk copies where allowed) across blocks. On the H200 (docs/benchmarks.md) it takes
+0.13 / 0.35 / 0.57 of cuDNN's dense causal time at densities 0.1 / 0.3 / 0.5 (FlexAttention with
+a ``BlockMask`` from the same lists was 6-15% slower than an earlier version of it), needs no
+torch.compile and runs under Triton's interpreter in the CPU tests.
 """
 
 import torch
@@ -20,6 +20,7 @@ from ._triton import (
     LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_same_device, check_scale,
     is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
 )
+from .block_lists import kept_block_lists
 
 
 def _check_args(q, k, v, mask, block_size) -> None:
@@ -86,27 +87,6 @@ def block_sparse_attention_ref(
     return out, lse
 
 
-def block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(count int32 [..., nQ], index int32 [..., nQ, nK])`` of a bool ``[..., nQ, nK]`` mask:
-    per query block the number of kept key blocks and their indices, listed first and ascending.
-    On the device, no host sync."""
-    count = mask.sum(-1, dtype=torch.int32)
-    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count.contiguous(), index.contiguous()
-
-
-def full_layout(n_q: int, n_k: int, block_size: int, seq_q: int, seq_k: int, causal: bool, device) -> torch.Tensor:
-    """bool ``[n_q, n_k]``: key block kb lies inside the keys and, if causal, its last key is at or
-    before the position (``Sk - Sq + row``) of query block qb's first row, so every key of the
-    block is visible to every row of the query block (rows past Sq are never stored)."""
-    key_end = (torch.arange(n_k, device=device) + 1) * block_size
-    inside = (key_end <= seq_k)[None, :]
-    if not causal:
-        return inside.expand(n_q, n_k)
-    first_pos = seq_k - seq_q + torch.arange(n_q, device=device) * block_size
-    return inside & (key_end[None, :] - 1 <= first_pos[:, None])
-
-
 @triton.jit
 def _load_kv(k_src, v_src, pos, pos0, col, key_end, d, d_mask, stride_ks, stride_vs, MASKED: tl.constexpr,
              EVEN_D: tl.constexpr, TMA: tl.constexpr):
@@ -152,7 +132,7 @@ def _bsa_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # every row sees every key: m_new finite
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -164,23 +144,30 @@ def _bsa_list(
 ):
     """The key tiles of the ``count`` blocks listed at ``index_row``, in one flat loop (tile t is
     tile ``t % TILES`` of block ``index[t // TILES]``), so Triton pipelines the K/V loads across
-    blocks."""
+    blocks. The block index of tile t + 1 is loaded during tile t: read at its own tile, its
+    global-memory latency stalled every tile (13% of the kernel time at density 0.5 on the H200)."""
     TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
+    tiles = count * TILES
+    block = tl.load(index_row)  # a row holds nK >= 1 entries: in bounds even when count is 0
     if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
         t = count * 0
-        while t < count * TILES:
-            pos0 = tl.load(index_row + t // TILES) * BLOCK_SIZE + (t % TILES) * BLOCK_N
+        while t < tiles:
+            next_block = tl.load(index_row + (t + 1) // TILES, mask=t + 1 < tiles, other=0)
+            pos0 = block * BLOCK_SIZE + (t % TILES) * BLOCK_N
             m_i, l_i, acc = _bsa_tile(q, k_src, v_src, pos0.to(tl.int64) + offs, pos0, col, key_end, q_pos, m_i, l_i,
                                       acc, d, d_mask, scale_log2, stride_ks, stride_vs, MASKED, CAUSAL, EVEN_D, TMA,
                                       DOT_PRECISION)
+            block = next_block
             t += 1
     else:
-        for t in range(0, count * TILES):
-            pos0 = tl.load(index_row + t // TILES) * BLOCK_SIZE + (t % TILES) * BLOCK_N
+        for t in range(0, tiles):
+            next_block = tl.load(index_row + (t + 1) // TILES, mask=t + 1 < tiles, other=0)
+            pos0 = block * BLOCK_SIZE + (t % TILES) * BLOCK_N
             m_i, l_i, acc = _bsa_tile(q, k_src, v_src, pos0.to(tl.int64) + offs, pos0, col, key_end, q_pos, m_i, l_i,
                                       acc, d, d_mask, scale_log2, stride_ks, stride_vs, MASKED, CAUSAL, EVEN_D, TMA,
                                       DOT_PRECISION)
+            block = next_block
     return m_i, l_i, acc
 
 
@@ -267,9 +254,7 @@ def _bsa_triton(q, k, v, mask, block_size, scale, causal):
     v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads_q, seq_q), dtype=torch.float32, device=q.device)
-    full = mask & full_layout(mask.shape[1], mask.shape[2], block_size, seq_q, seq_k, causal, mask.device)
-    count, index = block_lists(mask & ~full)
-    full_count, full_index = block_lists(full)
+    full_count, full_index, count, index = kept_block_lists(mask, block_size, seq_q, seq_k, causal)
     block_m, block_n, warps = _tiles(q, block_size)
     k_desc, v_desc = _kv_descriptors(k, v, block_n)
     _bsa_kernel[(cdiv(seq_q, block_m), heads_q)](
@@ -320,15 +305,16 @@ def block_sparse_attention(
             of Hkv, D outside 1..256, block_size not a power of two in 16..1024, mask not bool of
             the shape above, scale not a finite real number, or causal not a bool.
 
-    CUDA: one Triton kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 128-key tiles, 8 warps;
+    CUDA: the block lists (:func:`nanovllm.ops.block_lists.kept_block_lists`: one small kernel,
+    no host sync), then one attention kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 128-key tiles, 8 warps;
     rows over 256 bytes, e.g. head_dim > 128: 64 x 64, 4 warps; tiles no larger than the block),
     FlashAttention-2 online softmax over the kept blocks only: the full ones without masks, then
-    the partial ones with them (:func:`full_layout`); work is proportional to the kept blocks.
+    the partial ones with them (:func:`nanovllm.ops.block_lists.full_layout`); work is
+    proportional to the kept blocks.
     K and V come through TMA tensor descriptors (3 pipeline stages) where the bulk-copy rules
     allow (:func:`_kv_descriptors`: power-of-two head_dim, heads adjacent in a row, 16-byte
-    aligned), else through pointer loads (2 stages). The block lists are built on the device
-    (:func:`block_lists`), no host sync. CPU: :func:`block_sparse_attention_ref` (or the kernel
-    under the interpreter).
+    aligned), else through pointer loads (2 stages). CPU: :func:`block_sparse_attention_ref` (or
+    the kernels under the interpreter).
     """
     _check_args(q, k, v, mask, block_size)
     block_size, scale, causal = int(block_size), check_scale(scale), check_causal(causal)

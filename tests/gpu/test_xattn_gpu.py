@@ -1,5 +1,6 @@
-"""CUDA paths of XAttention estimation (nanovllm.ops.xattn_estimate) and block-sparse attention
-(nanovllm.ops.block_sparse_attention) against their torch references at 8K-32K tokens, bf16,
+"""CUDA paths of XAttention estimation (nanovllm.ops.xattn_estimate), the kept-block lists
+(nanovllm.ops.block_lists) and block-sparse attention (nanovllm.ops.block_sparse_attention)
+against their torch references at 8K-32K tokens, bf16,
 Hq 32 / Hkv 8 (GQA 4:1), head_dim 64/128, 128-token blocks (and 64 / 256).
 """
 
@@ -10,6 +11,7 @@ import torch
 from _gpu_util import assert_close
 
 from nanovllm.ops import flash_attn_with_lse
+from nanovllm.ops.block_lists import kept_block_lists, kept_block_lists_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
 from nanovllm.ops.xattn_estimate import (
     block_density,
@@ -148,3 +150,15 @@ def test_block_sparse_attention_other_block_sizes(block):
     truth, truth_lse = block_sparse_attention_ref(q.float(), k.float(), v.float(), mask, block, 128**-0.5, True)
     assert_close(out.float(), truth)
     assert_lse_close(lse, truth_lse)
+
+
+@pytest.mark.parametrize("seq_q, seq_k, causal", [(32768, 32768, True), (3000, 130000, True), (5000, 9000, False)])
+def test_kept_block_lists_match_reference(seq_q, seq_k, causal):
+    """The lists kernel gives the reference's counts and listed indices (nK up to 1,016)."""
+    mask = forced_density_mask(seq_q, seq_k, 0.5)
+    got = kept_block_lists(mask, BLOCK, seq_q, seq_k, causal)
+    want = kept_block_lists_ref(mask, BLOCK, seq_q, seq_k, causal)
+    for (count, index), (ref_count, ref_index) in zip((got[:2], got[2:]), (want[:2], want[2:])):
+        assert torch.equal(count, ref_count)
+        listed = torch.arange(index.shape[-1], device=DEVICE) < count[..., None]
+        assert torch.equal(index[listed], ref_index[listed])

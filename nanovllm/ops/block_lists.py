@@ -1,0 +1,109 @@
+"""The kept-block lists that the block-sparse attention kernel walks.
+
+From a bool block mask ``[Hq, nQ, nK]`` two lists per (head, query block): the kept *full* key
+blocks (inside the keys and, if causal, wholly at or before the query block's first row, so
+every key is visible to every row: attended without masks) and the kept *partial* ones (crossing
+the causal diagonal or the end of the keys: attended with masks). Each list is a count and the
+ascending block indices, listed first in a row of nK int32 (entries past the count are
+unspecified). CUDA: one Triton kernel, one program per (head, query block), prefix sums place
+the indices (no sort, no host sync). CPU: :func:`kept_block_lists_ref`.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from ._triton import next_pow2, tl, triton, use_triton
+
+
+class BlockLists(NamedTuple):
+    """int32 lists of kept key blocks per (head, query block): counts ``[Hq, nQ]``, indices
+    ``[Hq, nQ, nK]`` (ascending, first ``count`` entries valid)."""
+
+    full_count: torch.Tensor
+    full_index: torch.Tensor
+    count: torch.Tensor
+    index: torch.Tensor
+
+
+def full_layout(n_q: int, n_k: int, block_size: int, seq_q: int, seq_k: int, causal: bool, device) -> torch.Tensor:
+    """bool ``[n_q, n_k]``: key block kb lies inside the keys and, if causal, its last key is at or
+    before the position (``Sk - Sq + row``) of query block qb's first row, so every key of the
+    block is visible to every row of the query block (rows past Sq are never stored)."""
+    key_end = (torch.arange(n_k, device=device) + 1) * block_size
+    inside = (key_end <= seq_k)[None, :]
+    if not causal:
+        return inside.expand(n_q, n_k)
+    first_pos = seq_k - seq_q + torch.arange(n_q, device=device) * block_size
+    return inside & (key_end[None, :] - 1 <= first_pos[:, None])
+
+
+def _listed(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, index) of a bool ``[..., nQ, nK]`` mask: kept indices first and ascending (the
+    rest ascending after them)."""
+    count = mask.sum(-1, dtype=torch.int32)
+    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count.contiguous(), index.contiguous()
+
+
+def kept_block_lists_ref(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int, causal: bool) -> BlockLists:
+    """Reference of :func:`kept_block_lists` (same arguments and results): :func:`full_layout`
+    and two stable argsorts."""
+    full = mask & full_layout(mask.shape[1], mask.shape[2], block_size, seq_q, seq_k, causal, mask.device)
+    return BlockLists(*_listed(full), *_listed(mask & ~full))
+
+
+@triton.jit
+def _kept_block_lists_kernel(
+    mask_ptr, full_count_ptr, full_index_ptr, count_ptr, index_ptr, n_q, n_k, offset, seq_k,
+    stride_mh, stride_mq, stride_ch, stride_ih, stride_iq,
+    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Program (h, qb): the row ``mask[h, qb]``, split into full and partial kept blocks; an
+    inclusive prefix sum gives each kept block its slot in its list."""
+    h = tl.program_id(0) // n_q
+    qb = tl.program_id(0) % n_q
+    kb = tl.arange(0, BLOCK_K)
+    kept = tl.load(mask_ptr + h * stride_mh + qb * stride_mq + kb, mask=kb < n_k, other=0) != 0
+    last_key = (kb + 1) * BLOCK_SIZE - 1
+    full = last_key < seq_k
+    if CAUSAL:
+        full = full & (last_key <= offset + qb * BLOCK_SIZE)
+    kept_full = kept & full
+    kept_partial = kept & (full == 0)
+    full_slot = tl.cumsum(kept_full.to(tl.int32), 0) - 1
+    partial_slot = tl.cumsum(kept_partial.to(tl.int32), 0) - 1
+    rows = h * stride_ih + qb * stride_iq
+    tl.store(full_index_ptr + rows + full_slot, kb, mask=kept_full)
+    tl.store(index_ptr + rows + partial_slot, kb, mask=kept_partial)
+    tl.store(full_count_ptr + h * stride_ch + qb, tl.sum(kept_full.to(tl.int32), 0))
+    tl.store(count_ptr + h * stride_ch + qb, tl.sum(kept_partial.to(tl.int32), 0))
+
+
+def kept_block_lists(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int, causal: bool) -> BlockLists:
+    """The full and partial kept-block lists of a block mask (module docstring).
+
+    Args:
+        mask: bool ``[Hq, nQ, nK]``, key block kb kept for query block qb of head h.
+        block_size: tokens per block (query and key).
+        seq_q, seq_k: query and key lengths; query row i sits at key position ``Sk - Sq + i``.
+        causal: bottom-right aligned causal mask (decides which blocks are full).
+
+    Returns:
+        :class:`BlockLists`: int32 counts ``[Hq, nQ]`` and indices ``[Hq, nQ, nK]`` on mask's
+        device; the first ``count`` indices of a row ascending, the rest unspecified.
+
+    The caller checks the arguments (:func:`nanovllm.ops.block_sparse_attention`).
+    """
+    if not use_triton(mask):
+        return kept_block_lists_ref(mask, block_size, seq_q, seq_k, causal)
+    heads, n_q, n_k = mask.shape
+    mask = mask.contiguous().view(torch.uint8)
+    full_count, count = (torch.empty((heads, n_q), dtype=torch.int32, device=mask.device) for _ in range(2))
+    full_index, index = (torch.empty((heads, n_q, n_k), dtype=torch.int32, device=mask.device) for _ in range(2))
+    _kept_block_lists_kernel[(heads * n_q,)](
+        mask, full_count, full_index, count, index, n_q, n_k, seq_k - seq_q, seq_k, mask.stride(0), mask.stride(1),
+        count.stride(0), index.stride(0), index.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_K=next_pow2(n_k), CAUSAL=bool(causal), num_warps=4,
+    )
+    return BlockLists(full_count, full_index, count, index)
