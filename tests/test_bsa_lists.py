@@ -98,3 +98,34 @@ def test_interpreted_kernel_lists_match_reference(case, density):
 
 def test_triton_kernels_under_interpreter():
     run_interpreted_tests(__file__, min_passed=24)
+
+
+@pytest.mark.parametrize("lists", [kept_block_lists, kept_block_lists_ref])
+def test_bad_arguments_raise(lists):
+    """Bad input names the argument and the limit (a non-bool mask read as bytes gave wrong lists)."""
+    good = torch.ones(2, 3, 5, dtype=torch.bool)
+    cases = [
+        (dict(mask=good.long()), r"mask must be a bool tensor \[Hq, nQ, nK\]; got torch.int64"),
+        (dict(mask=good.float()), "mask must be a bool tensor"),
+        (dict(mask=good[0]), r"got torch.bool \(3, 5\)"),
+        (dict(mask=None), "got NoneType"),
+        (dict(block_size=8), "block_size=8 must be a power of two in 16..1024"),
+        (dict(block_size=24), "block_size=24"),
+        (dict(seq_q=-1), "seq_q=-1 must be a non-negative int"),
+        (dict(seq_k=70.0), "seq_k=70.0 must be a non-negative int"),
+        (dict(seq_q=80), r"must have nQ, nK = ceil\(seq_q/16\), ceil\(seq_k/16\) = \(5, 5\)"),
+        (dict(causal="yes"), "causal='yes' must be a bool"),
+    ]
+    for change, message in cases:
+        args = dict(mask=good, block_size=16, seq_q=40, seq_k=70, causal=True) | change
+        with pytest.raises(ValueError, match=message):
+            lists(**args)
+
+
+def test_numpy_integers_are_accepted():
+    """numpy integer lengths and block sizes give the lists of the Python ints."""
+    import numpy as np
+
+    mask = torch.rand((2, 3, 5), generator=torch.Generator().manual_seed(3)) < 0.6
+    got = kept_block_lists(mask, np.int64(16), np.int64(40), np.int32(70), True)
+    _assert_same_lists(got, kept_block_lists_ref(mask, 16, 40, 70, True))

@@ -160,6 +160,8 @@ def test_block_scores_float64_and_empty():
         (dict(scale="0.1"), "scale='0.1'"),
         (dict(scale=float("nan")), "scale=nan"),
         (dict(scale=float("inf")), "scale=inf"),
+        (dict(scale=-0.125), "scale=-0.125 must be a finite real number > 0"),
+        (dict(scale=0), "scale=0 must be a finite real number > 0"),
         (dict(causal="no"), "causal='no'"),
         (dict(causal=None), "causal=None"),
     ],
@@ -335,8 +337,8 @@ def test_bsa_bad_arguments():
         block_sparse_attention(q, k, k.to("meta"), mask, 32)
     with pytest.raises(ValueError, match="mask must be a torch.Tensor; got NoneType"):
         block_sparse_attention(q, k, k, None, 32)
-    for scale in ("0.1", float("nan"), float("inf"), 1j):
-        with pytest.raises(ValueError, match="scale=.* must be a finite real number"):
+    for scale in ("0.1", float("nan"), float("inf"), 1j, -4.0, 0.0):
+        with pytest.raises(ValueError, match="scale=.* must be a finite real number > 0"):
             block_sparse_attention(q, k, k, mask, 32, scale)
     for causal in ("no", None, 2):
         with pytest.raises(ValueError, match="causal=.* must be a bool"):

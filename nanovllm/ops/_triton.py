@@ -95,12 +95,13 @@ def check_offset(offset) -> int | None:
 
 
 def check_scale(scale) -> float | None:
-    """``scale`` as a float (None stays None); ValueError unless it is a finite real number (a
-    string, bool, complex, NaN or inf is refused)."""
+    """``scale`` as a float (None stays None); ValueError unless it is a finite real number > 0
+    (a string, bool, complex, NaN, inf, zero or negative number is refused: the kernels take the
+    row max of the raw scores as the max of the scaled ones)."""
     if scale is None:
         return None
-    if isinstance(scale, (bool, str)) or not isinstance(scale, Real) or not math.isfinite(scale):
-        raise ValueError(f"scale={scale!r} must be a finite real number (the softmax scale)")
+    if isinstance(scale, (bool, str)) or not isinstance(scale, Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale!r} must be a finite real number > 0 (the softmax scale)")
     return float(scale)
 
 

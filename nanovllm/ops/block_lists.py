@@ -9,11 +9,12 @@ unspecified). CUDA: one Triton kernel, one program per (head, query block), pref
 the indices (no sort, no host sync). CPU: :func:`kept_block_lists_ref`.
 """
 
+from numbers import Integral
 from typing import NamedTuple
 
 import torch
 
-from ._triton import next_pow2, tl, triton, use_triton
+from ._triton import cdiv, check_causal, is_pow2, next_pow2, tl, triton, use_triton
 
 
 class BlockLists(NamedTuple):
@@ -46,9 +47,29 @@ def _listed(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), index.contiguous()
 
 
+def _check_args(mask, block_size, seq_q, seq_k, causal) -> tuple[int, int, int, bool]:
+    """ValueError naming the argument, its value and the limit (see :func:`kept_block_lists`);
+    returns ``(block_size, seq_q, seq_k, causal)`` as Python ints and bool."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 3:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor [Hq, nQ, nK]; got {got}")
+    if not is_pow2(block_size) or not 16 <= block_size <= 1024:
+        raise ValueError(f"block_size={block_size!r} must be a power of two in 16..1024")
+    for name, seq in (("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(seq, bool) or not isinstance(seq, Integral) or seq < 0:
+            raise ValueError(f"{name}={seq!r} must be a non-negative int")
+    block_size, seq_q, seq_k = int(block_size), int(seq_q), int(seq_k)
+    expected = (cdiv(seq_q, block_size), cdiv(seq_k, block_size))
+    if tuple(mask.shape[1:]) != expected:
+        raise ValueError(f"mask [Hq, nQ, nK] = {tuple(mask.shape)} must have nQ, nK = ceil(seq_q/{block_size}), "
+                         f"ceil(seq_k/{block_size}) = {expected}")
+    return block_size, seq_q, seq_k, check_causal(causal)
+
+
 def kept_block_lists_ref(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int, causal: bool) -> BlockLists:
-    """Reference of :func:`kept_block_lists` (same arguments and results): :func:`full_layout`
-    and two stable argsorts."""
+    """Reference of :func:`kept_block_lists` (same arguments, results and errors):
+    :func:`full_layout` and two stable argsorts."""
+    block_size, seq_q, seq_k, causal = _check_args(mask, block_size, seq_q, seq_k, causal)
     full = mask & full_layout(mask.shape[1], mask.shape[2], block_size, seq_q, seq_k, causal, mask.device)
     return BlockLists(*_listed(full), *_listed(mask & ~full))
 
@@ -93,8 +114,12 @@ def kept_block_lists(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int
         :class:`BlockLists`: int32 counts ``[Hq, nQ]`` and indices ``[Hq, nQ, nK]`` on mask's
         device; the first ``count`` indices of a row ascending, the rest unspecified.
 
-    The caller checks the arguments (:func:`nanovllm.ops.block_sparse_attention`).
+    Raises:
+        ValueError: mask not a 3-D bool tensor, block_size not a power of two in 16..1024,
+            seq_q/seq_k not non-negative ints, mask not ``ceil(seq / block_size)`` blocks long in
+            either dim, or causal not a bool.
     """
+    block_size, seq_q, seq_k, causal = _check_args(mask, block_size, seq_q, seq_k, causal)
     if not use_triton(mask):
         return kept_block_lists_ref(mask, block_size, seq_q, seq_k, causal)
     heads, n_q, n_k = mask.shape
@@ -104,6 +129,6 @@ def kept_block_lists(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int
     _kept_block_lists_kernel[(heads * n_q,)](
         mask, full_count, full_index, count, index, n_q, n_k, seq_k - seq_q, seq_k, mask.stride(0), mask.stride(1),
         count.stride(0), index.stride(0), index.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_K=next_pow2(n_k), CAUSAL=bool(causal), num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_K=next_pow2(n_k), CAUSAL=causal, num_warps=4,
     )
     return BlockLists(full_count, full_index, count, index)

@@ -290,7 +290,7 @@ def block_sparse_attention(
         mask: bool ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]`` on q's device (e.g. from
             :func:`nanovllm.ops.xattn_estimate.xattn_select_blocks`).
         block_size: tokens per block, a power of two in 16..1024.
-        scale: softmax scale (default ``D ** -0.5``).
+        scale: softmax scale, a finite real > 0 (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask inside the kept blocks.
 
     Returns:
@@ -303,7 +303,7 @@ def block_sparse_attention(
     Raises:
         ValueError: q/k/v/mask not tensors on one device, shapes that disagree, Hq not a multiple
             of Hkv, D outside 1..256, block_size not a power of two in 16..1024, mask not bool of
-            the shape above, scale not a finite real number, or causal not a bool.
+            the shape above, scale not a finite real number > 0, or causal not a bool.
 
     CUDA: the block lists (:func:`nanovllm.ops.block_lists.kept_block_lists`: one small kernel,
     no host sync), then one attention kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 128-key tiles, 8 warps;

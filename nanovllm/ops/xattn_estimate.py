@@ -574,7 +574,7 @@ def xattn_block_scores(
             float16/bfloat16/float32 (float64 goes to the reference); last dim contiguous or not.
         stride: S, a power of two in 1..64 (paper default 8; 16 is cheaper and coarser).
         block_size: a power of two in ``stride..1024``; tokens per query/key block.
-        scale: softmax scale of the real attention (default ``D ** -0.5``).
+        scale: softmax scale of the real attention, a finite real > 0 (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask (queries are the last Sq of the Sk keys).
         offset: int, the key position of query row 0 when causal (default ``Sk - Sq``; ignored
             when not causal). Any int: negative puts the first rows before every key (their
@@ -589,7 +589,7 @@ def xattn_block_scores(
     Raises:
         ValueError: q/k not 3-D or differing in D, Hq not a multiple of Hkv, D outside 1..256,
             q and k not of one float dtype, stride or block_size not a power of two in range,
-            offset not an int.
+            offset not an int, scale not a finite real > 0, causal not a bool.
 
     CUDA: the strided GEMM is computed once, in two Triton kernels. Pass A runs over tiles of
     128 strided rows x N strided keys (N = max(128, T), fewer rows when T > 128; 64 x max(64, T)
