@@ -18,7 +18,8 @@ from triton.testing import do_bench
 
 from nanovllm.ops import flash_attn_with_lse
 from nanovllm.ops.block_sparse_attention import block_sparse_attention
-from nanovllm.ops.xattn_estimate import block_density, block_layout, xattn_block_scores, xattn_select_blocks
+from nanovllm.ops.xattn_estimate import xattn_block_scores
+from nanovllm.ops.xattn_select import block_density, block_layout, xattn_select_blocks
 
 BLOCK = 128
 MIN_SEQ = 2 * BLOCK

@@ -19,13 +19,8 @@ from _util import random_qk
 
 from nanovllm.ops import flash_attn_with_lse_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
-from nanovllm.ops.xattn_estimate import (
-    block_density,
-    block_layout,
-    xattn_block_scores,
-    xattn_block_scores_ref,
-    xattn_select_blocks,
-)
+from nanovllm.ops.xattn_estimate import xattn_block_scores, xattn_block_scores_ref
+from nanovllm.ops.xattn_select import block_density, block_layout, xattn_select_blocks, xattn_select_blocks_ref
 
 bsa = importlib.import_module("nanovllm.ops.block_sparse_attention")  # the module (ops exports the function)
 xe = importlib.import_module("nanovllm.ops.xattn_estimate")
@@ -277,6 +272,33 @@ def test_selection_and_density_bad_arguments():
         block_density(torch.ones(3, 4, dtype=torch.bool))
 
 
+@interpreted_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q, seq_k, block", [(512, 768, 64), (40, 2000, 16), (700, 300, 64)])
+def test_interpreted_select_kernel_matches_reference(causal, seq_q, seq_k, block):
+    """The selection kernel (int64 keys, bitonic sort, float64 prefix sum) keeps exactly the
+    reference's blocks: real scores at several thresholds, nK not a power of two, Sq > Sk."""
+    q, k = random_qk(seq_q, seq_k, 4, 2, 32, seed=5)
+    scores = xattn_block_scores_ref(q, k, 8, block, causal=causal)
+    lengths = dict(block_size=block, seq_q=seq_q, seq_k=seq_k)
+    for threshold in (0.0, 0.5, 0.9, 0.999):
+        got = xattn_select_blocks(scores, threshold, causal, **lengths)
+        assert got.dtype == torch.bool and got.shape == scores.shape
+        assert torch.equal(got, xattn_select_blocks_ref(scores, threshold, causal, **lengths)), threshold
+
+
+@interpreted_only
+def test_interpreted_select_kernel_ties_and_zeros():
+    """Ties keep index order; zero rows keep only the forced blocks; a strided (transposed) score
+    tensor is read correctly."""
+    scores = torch.full((2, 3, 5), 0.2)
+    scores[1, 1] = 0.0
+    assert torch.equal(xattn_select_blocks(scores, 0.5, True), xattn_select_blocks_ref(scores, 0.5, True))
+    rand = torch.rand(5, 3, 2).permute(2, 1, 0)  # [2, 3, 5], last dim strided
+    rand = rand / rand.sum(-1, keepdim=True)
+    assert torch.equal(xattn_select_blocks(rand, 0.7, False), xattn_select_blocks_ref(rand, 0.7, False))
+
+
 def test_block_density_counts_visible_blocks_only():
     mask = torch.zeros(2, 4, 4, dtype=torch.bool)
     mask[:, torch.arange(4), torch.arange(4)] = True
@@ -348,11 +370,15 @@ def test_bsa_bad_arguments():
 # ---------------------------------------------------------------- Triton kernels (interpreter)
 @pytest.fixture
 def nan_filled_empty(monkeypatch):
-    """torch.empty / torch.empty_like return NaN-filled tensors, so a kernel that reads a buffer
-    entry no kernel wrote shows up as NaN."""
+    """torch.empty / torch.empty_like return NaN-filled float tensors, so a kernel that reads a
+    buffer entry no kernel wrote shows up as NaN (other dtypes are left as they come)."""
     empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(math.nan))
-    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(math.nan))
+
+    def nan_filled(t):
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: nan_filled(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: nan_filled(empty_like(*args, **kwargs)))
 
 
 @interpreted_only
@@ -597,4 +623,4 @@ def test_interpreted_xattn_pipeline_end_to_end():
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=47)
+    run_interpreted_tests(__file__, min_passed=54)

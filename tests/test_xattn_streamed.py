@@ -11,7 +11,8 @@ import torch
 from _interpreter import eager_only, interpreted_only, run_interpreted_tests
 from _util import random_qk
 
-from nanovllm.ops.xattn_estimate import normalise_block_rows, xattn_block_scores_ref, xattn_select_blocks
+from nanovllm.ops.xattn_estimate import normalise_block_rows, xattn_block_scores_ref
+from nanovllm.ops.xattn_select import xattn_select_blocks
 from nanovllm.ops.xattn_streamed import (
     merge_row_stats,
     xattn_block_mask,

@@ -13,7 +13,8 @@ from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
-from .xattn_estimate import block_density, xattn_block_scores, xattn_block_scores_ref, xattn_select_blocks
+from .xattn_estimate import xattn_block_scores, xattn_block_scores_ref
+from .xattn_select import block_density, xattn_select_blocks, xattn_select_blocks_ref
 
 __all__ = [
     "apply_rotary",
@@ -39,4 +40,5 @@ __all__ = [
     "xattn_block_scores",
     "xattn_block_scores_ref",
     "xattn_select_blocks",
+    "xattn_select_blocks_ref",
 ]

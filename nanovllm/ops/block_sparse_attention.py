@@ -1,7 +1,7 @@
 """Block-sparse attention: attention restricted to a per-(head, query block) set of key blocks.
 
 The block mask usually comes from XAttention's selection
-(:func:`nanovllm.ops.xattn_estimate.xattn_select_blocks`; Xu et al., "XAttention: Block Sparse
+(:func:`nanovllm.ops.xattn_select.xattn_select_blocks`; Xu et al., "XAttention: Block Sparse
 Attention with Antidiagonal Scoring", 2025), whose paper runs it on MIT-Han-Lab's
 Block-Sparse-Attention kernels. Here the CUDA path is our own Triton kernel: FlashAttention-2's
 forward (Dao 2023; online softmax in fp32 with exp2) over, per query tile, only the key blocks its
@@ -288,7 +288,7 @@ def block_sparse_attention(
             ``h // (Hq // Hkv)``), ``1 <= D <= 256``; float16/bfloat16/float32 (float64 goes to the
             reference); rows may be strided, the last dim is made contiguous if it is not.
         mask: bool ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]`` on q's device (e.g. from
-            :func:`nanovllm.ops.xattn_estimate.xattn_select_blocks`).
+            :func:`nanovllm.ops.xattn_select.xattn_select_blocks`).
         block_size: tokens per block, a power of two in 16..1024.
         scale: softmax scale, a finite real > 0 (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask inside the kept blocks.

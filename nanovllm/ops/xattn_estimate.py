@@ -1,12 +1,12 @@
-"""XAttention block-importance estimation and block selection for block-sparse prefill.
+"""XAttention block-importance estimation for block-sparse prefill.
 
 Algorithm: XAttention (Xu, Guo, Han et al., "XAttention: Block Sparse Attention with Antidiagonal
 Scoring", 2025). The sum of the attention scores along antidiagonals of each ``stride x stride``
 tile is a cheap proxy for the tile's total; it is computed for every tile at once as one GEMM of
 stride-interleaved ("reshaped") Q and K, softmaxed at that reduced resolution and summed into
 ``block_size x block_size`` blocks. Per query block the highest-scoring key blocks are kept until
-their cumulative share reaches a threshold. The selected mask drives
-:func:`nanovllm.ops.block_sparse_attention.block_sparse_attention`.
+their cumulative share reaches a threshold (:mod:`nanovllm.ops.xattn_select`). The selected mask
+drives :func:`nanovllm.ops.block_sparse_attention.block_sparse_attention`.
 
 Positions: queries are the last ``Sq`` of the ``Sk`` keys (bottom-right aligned, as in
 :func:`nanovllm.ops.flash_attn_with_lse`): local query row ``i`` sits at key position
@@ -614,93 +614,3 @@ def xattn_block_scores(
     if q.dtype == torch.float64 or not use_triton(q) or q.shape[0] == 0 or k.shape[0] == 0:
         return xattn_block_scores_ref(q, k, stride, block_size, scale, causal, offset)
     return _launch_block_scores(q, k, stride, block_size, scale, causal, offset)
-
-
-# ---------------------------------------------------------------- block selection
-def block_layout(
-    n_q: int, n_k: int, causal: bool, block_size: int = 128, seq_q: int | None = None,
-    seq_k: int | None = None, device=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(visible, forced)``, bool ``[n_q, n_k]`` each, for blocks of ``block_size`` tokens.
-
-    ``visible[qb, kb]``: some query of block qb may see some key of block kb: always when not
-    causal, else ``kb * block_size <= Sk - Sq + last row of qb``. ``forced``: visible blocks kept
-    regardless of score: the sink block 0 and the diagonal blocks (the key blocks holding the
-    positions ``Sk - Sq + row`` of qb's own rows), so every query that sees a key keeps itself.
-    ``seq_q``/``seq_k`` default to ``n_q * block_size`` / ``n_k * block_size``; pass the real
-    lengths when they are not block multiples and ``Sk - Sq`` is not a block multiple.
-    """
-    seq_q = n_q * block_size if seq_q is None else seq_q
-    seq_k = n_k * block_size if seq_k is None else seq_k
-    if cdiv(seq_q, block_size) != n_q or cdiv(seq_k, block_size) != n_k:
-        raise ValueError(
-            f"seq_q={seq_q}, seq_k={seq_k} do not give n_q={n_q}, n_k={n_k} blocks of {block_size}"
-        )
-    qb = torch.arange(n_q, device=device)
-    kb_start = torch.arange(n_k, device=device) * block_size
-    first_pos = seq_k - seq_q + qb * block_size
-    last_pos = seq_k - seq_q + torch.clamp((qb + 1) * block_size, max=seq_q) - 1
-    if causal:
-        visible = kb_start[None, :] <= last_pos[:, None]
-    else:
-        visible = torch.ones((n_q, n_k), dtype=torch.bool, device=device)
-    diagonal = (kb_start[None, :] + block_size - 1 >= first_pos[:, None]) & (kb_start[None, :] <= last_pos[:, None])
-    sink = (torch.arange(n_k, device=device) == 0)[None, :]
-    return visible, visible & (diagonal | sink)
-
-
-def xattn_select_blocks(
-    scores: torch.Tensor,
-    threshold: float,
-    causal: bool = True,
-    block_size: int = 128,
-    seq_q: int | None = None,
-    seq_k: int | None = None,
-) -> torch.Tensor:
-    """XAttention threshold selection: bool ``[Hq, nQ, nK]`` mask of the key blocks to compute.
-
-    Per (head, query block), the visible key blocks are ordered by descending score (stable: ties
-    keep index order) and block ``n`` in that order is kept while the sum of the scores before it
-    is ``< threshold``, i.e. the smallest prefix whose cumulative score reaches ``threshold``
-    (cumulated in float64). ``threshold >= 1`` keeps every visible block. The sink block 0 and the
-    diagonal blocks are always kept; a causally hidden block never is (see :func:`block_layout`).
-    Kept sets grow monotonically with the threshold.
-
-    Args:
-        scores: ``[Hq, nQ, nK]`` non-negative block scores, rows summing to 1 (as from
-            :func:`xattn_block_scores`); any float dtype.
-        threshold: cumulative share to reach, ``0 <= threshold <= 1`` (paper: 0.9-0.95).
-        causal: whether the attention is causal (bottom-right aligned).
-        block_size, seq_q, seq_k: the token lengths behind the blocks (see :func:`block_layout`).
-
-    Raises:
-        ValueError: scores not 3-D, threshold outside 0..1, or lengths inconsistent with the shape.
-    """
-    if scores.dim() != 3:
-        raise ValueError(f"expected scores [Hq, nQ, nK]; got {tuple(scores.shape)}")
-    threshold = float(threshold)
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold={threshold} is outside 0..1")
-    _, n_q, n_k = scores.shape
-    visible, forced = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, scores.device)
-    if threshold >= 1.0:
-        return visible.expand(scores.shape).clone()
-    values = torch.where(visible, scores.double(), 0.0)
-    ordered, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(ordered, dim=-1) - ordered
-    keep = torch.zeros_like(visible.expand(scores.shape)).scatter(-1, order, before < threshold)
-    return (keep & visible) | forced
-
-
-def block_density(
-    mask: torch.Tensor, causal: bool = True, block_size: int = 128, seq_q: int | None = None,
-    seq_k: int | None = None,
-) -> float:
-    """Kept blocks / visible blocks of a ``[Hq, nQ, nK]`` bool mask (0.0 when nothing is visible);
-    visibility as in :func:`block_layout`. Syncs with the device (returns a Python float)."""
-    if mask.dim() != 3:
-        raise ValueError(f"expected mask [Hq, nQ, nK]; got {tuple(mask.shape)}")
-    heads, n_q, n_k = mask.shape
-    visible, _ = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, mask.device)
-    total = int(visible.sum()) * heads
-    return float((mask.bool() & visible).sum()) / total if total else 0.0

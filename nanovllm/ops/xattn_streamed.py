@@ -32,8 +32,8 @@ from .xattn_estimate import (
     _strided_layout,
     query_offset,
     xattn_block_scores,
-    xattn_select_blocks,
 )
+from .xattn_select import xattn_select_blocks
 
 
 def _check_stats(q: torch.Tensor, stride: int, row_max: torch.Tensor, row_sumexp: torch.Tensor) -> None:

@@ -13,13 +13,8 @@ from _gpu_util import assert_close
 from nanovllm.ops import flash_attn_with_lse
 from nanovllm.ops.block_lists import kept_block_lists, kept_block_lists_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
-from nanovllm.ops.xattn_estimate import (
-    block_density,
-    block_layout,
-    xattn_block_scores,
-    xattn_block_scores_ref,
-    xattn_select_blocks,
-)
+from nanovllm.ops.xattn_estimate import xattn_block_scores, xattn_block_scores_ref
+from nanovllm.ops.xattn_select import block_density, block_layout, xattn_select_blocks, xattn_select_blocks_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -162,3 +157,15 @@ def test_kept_block_lists_match_reference(seq_q, seq_k, causal):
         assert torch.equal(count, ref_count)
         listed = torch.arange(index.shape[-1], device=DEVICE) < count[..., None]
         assert torch.equal(index[listed], ref_index[listed])
+
+
+@pytest.mark.parametrize("seq_q, seq_k, causal", [(32768, 32768, True), (2048, 130000, True), (5000, 9000, False)])
+def test_select_kernel_matches_reference(seq_q, seq_k, causal):
+    """The selection kernel keeps exactly the reference's blocks on real estimation scores
+    (nK up to 1,016, so sorts of 1,024 keys)."""
+    q, k, _ = qkv(seq_q, seq_k, seed=6)
+    scores = xattn_block_scores(q, k, 8, BLOCK, causal=causal)
+    lengths = dict(block_size=BLOCK, seq_q=seq_q, seq_k=seq_k)
+    for threshold in (0.5, 0.9, 0.95):
+        got = xattn_select_blocks(scores, threshold, causal, **lengths)
+        assert torch.equal(got, xattn_select_blocks_ref(scores, threshold, causal, **lengths)), threshold

@@ -1,0 +1,179 @@
+"""XAttention block selection (Xu et al., "XAttention: Block Sparse Attention with Antidiagonal
+Scoring", 2025): from the block scores of :func:`nanovllm.ops.xattn_estimate.xattn_block_scores`,
+per (head, query block) the smallest set of key blocks whose cumulative score reaches the
+threshold, plus the sink and diagonal blocks; the block geometry (:func:`block_layout`) and the
+density of a mask (:func:`block_density`). Positions as in :mod:`nanovllm.ops.xattn_estimate`
+(queries are the last ``Sq`` of the ``Sk`` keys).
+"""
+
+import torch
+
+from ._triton import cdiv, check_causal, next_pow2, tl, triton, use_triton
+
+
+def _lengths(n_q: int, n_k: int, block_size: int, seq_q: int | None, seq_k: int | None) -> tuple[int, int]:
+    """``(seq_q, seq_k)``, defaulting to whole blocks; ValueError unless they give n_q and n_k
+    blocks of block_size."""
+    seq_q = n_q * block_size if seq_q is None else seq_q
+    seq_k = n_k * block_size if seq_k is None else seq_k
+    if cdiv(seq_q, block_size) != n_q or cdiv(seq_k, block_size) != n_k:
+        raise ValueError(
+            f"seq_q={seq_q}, seq_k={seq_k} do not give n_q={n_q}, n_k={n_k} blocks of {block_size}"
+        )
+    return seq_q, seq_k
+
+
+def _check_select_args(scores: torch.Tensor, threshold) -> float:
+    """ValueError for scores that are not 3-D or a threshold outside 0..1; the threshold as a float."""
+    if scores.dim() != 3:
+        raise ValueError(f"expected scores [Hq, nQ, nK]; got {tuple(scores.shape)}")
+    threshold = float(threshold)
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold={threshold} is outside 0..1")
+    return threshold
+
+
+def block_layout(
+    n_q: int, n_k: int, causal: bool, block_size: int = 128, seq_q: int | None = None,
+    seq_k: int | None = None, device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(visible, forced)``, bool ``[n_q, n_k]`` each, for blocks of ``block_size`` tokens.
+
+    ``visible[qb, kb]``: some query of block qb may see some key of block kb: always when not
+    causal, else ``kb * block_size <= Sk - Sq + last row of qb``. ``forced``: visible blocks kept
+    regardless of score: the sink block 0 and the diagonal blocks (the key blocks holding the
+    positions ``Sk - Sq + row`` of qb's own rows), so every query that sees a key keeps itself.
+    ``seq_q``/``seq_k`` default to ``n_q * block_size`` / ``n_k * block_size``; pass the real
+    lengths when they are not block multiples and ``Sk - Sq`` is not a block multiple.
+    """
+    seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
+    qb = torch.arange(n_q, device=device)
+    kb_start = torch.arange(n_k, device=device) * block_size
+    first_pos = seq_k - seq_q + qb * block_size
+    last_pos = seq_k - seq_q + torch.clamp((qb + 1) * block_size, max=seq_q) - 1
+    if causal:
+        visible = kb_start[None, :] <= last_pos[:, None]
+    else:
+        visible = torch.ones((n_q, n_k), dtype=torch.bool, device=device)
+    diagonal = (kb_start[None, :] + block_size - 1 >= first_pos[:, None]) & (kb_start[None, :] <= last_pos[:, None])
+    sink = (torch.arange(n_k, device=device) == 0)[None, :]
+    return visible, visible & (diagonal | sink)
+
+
+def xattn_select_blocks_ref(
+    scores: torch.Tensor,
+    threshold: float,
+    causal: bool = True,
+    block_size: int = 128,
+    seq_q: int | None = None,
+    seq_k: int | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`xattn_select_blocks` (same arguments, result and errors): a stable
+    float64 sort per row, a cumulative sum and a scatter back."""
+    threshold = _check_select_args(scores, threshold)
+    _, n_q, n_k = scores.shape
+    visible, forced = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, scores.device)
+    if threshold >= 1.0:
+        return visible.expand(scores.shape).clone()
+    values = torch.where(visible, scores.double(), 0.0)
+    ordered, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    keep = torch.zeros_like(visible.expand(scores.shape)).scatter(-1, order, before < threshold)
+    return (keep & visible) | forced
+
+
+@triton.jit
+def _visible_forced(kb, qb, n_k, offset, seq_q, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
+    """:func:`block_layout`'s (visible, forced) for key blocks ``kb`` of query block ``qb``."""
+    start = kb * BLOCK_SIZE
+    first_pos = offset + qb * BLOCK_SIZE
+    last_pos = offset + tl.minimum((qb + 1) * BLOCK_SIZE, seq_q) - 1
+    visible = kb < n_k
+    if CAUSAL:
+        visible = visible & (start <= last_pos)
+    diagonal = (start + BLOCK_SIZE - 1 >= first_pos) & (start <= last_pos)
+    return visible, visible & (diagonal | (kb == 0))
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr, mask_ptr, n_q, n_k, offset, seq_q, threshold, stride_sh, stride_sq, stride_mh, stride_mq,
+    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Program (h, qb). Scores are non-negative, so their float32 bits order as integers: key =
+    bits * BLOCK_K + (BLOCK_K - 1 - kb) sorts descending by score, ties by ascending index (the
+    reference's stable order); hidden and padding blocks sort as score 0."""
+    h = tl.program_id(0) // n_q
+    qb = tl.program_id(0) % n_q
+    kb = tl.arange(0, BLOCK_K)
+    scores = tl.load(scores_ptr + h * stride_sh + qb * stride_sq + kb, mask=kb < n_k, other=0.0)
+    visible, _ = _visible_forced(kb, qb, n_k, offset, seq_q, BLOCK_SIZE, CAUSAL)
+    bits = tl.where(visible, scores, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.sort(bits * BLOCK_K + (BLOCK_K - 1 - kb), descending=True)
+    index = (BLOCK_K - 1 - key % BLOCK_K).to(tl.int32)
+    value = (key // BLOCK_K).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+    keep = tl.cumsum(value, 0) - value < threshold
+    visible, forced = _visible_forced(index, qb, n_k, offset, seq_q, BLOCK_SIZE, CAUSAL)
+    tl.store(mask_ptr + h * stride_mh + qb * stride_mq + index, ((keep & visible) | forced).to(tl.uint8),
+             mask=index < n_k)
+
+
+def xattn_select_blocks(
+    scores: torch.Tensor,
+    threshold: float,
+    causal: bool = True,
+    block_size: int = 128,
+    seq_q: int | None = None,
+    seq_k: int | None = None,
+) -> torch.Tensor:
+    """XAttention threshold selection: bool ``[Hq, nQ, nK]`` mask of the key blocks to compute.
+
+    Per (head, query block), the visible key blocks are ordered by descending score (stable: ties
+    keep index order) and block ``n`` in that order is kept while the sum of the scores before it
+    is ``< threshold``, i.e. the smallest prefix whose cumulative score reaches ``threshold``
+    (cumulated in float64). ``threshold >= 1`` keeps every visible block. The sink block 0 and the
+    diagonal blocks are always kept; a causally hidden block never is (see :func:`block_layout`).
+    Kept sets grow monotonically with the threshold.
+
+    Args:
+        scores: ``[Hq, nQ, nK]`` non-negative block scores, rows summing to 1 (as from
+            :func:`xattn_block_scores`); any float dtype.
+        threshold: cumulative share to reach, ``0 <= threshold <= 1`` (paper: 0.9-0.95).
+        causal: whether the attention is causal (bottom-right aligned).
+        block_size, seq_q, seq_k: the token lengths behind the blocks (see :func:`block_layout`).
+
+    Raises:
+        ValueError: scores not 3-D, threshold outside 0..1, or lengths inconsistent with the shape.
+
+    CUDA (float32 scores): one Triton kernel, a program per (head, query block): the row's scores
+    packed with their indices into int64 keys, one bitonic sort (``tl.sort``), the float64 prefix
+    sum, and the kept flags scattered back; no host sync. Else :func:`xattn_select_blocks_ref`.
+    """
+    threshold = _check_select_args(scores, threshold)
+    heads, n_q, n_k = scores.shape
+    if threshold >= 1.0 or scores.dtype != torch.float32 or not use_triton(scores) or scores.numel() == 0:
+        return xattn_select_blocks_ref(scores, threshold, causal, block_size, seq_q, seq_k)
+    seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    mask = torch.empty(scores.shape, dtype=torch.uint8, device=scores.device)
+    block_k = next_pow2(n_k)
+    _select_kernel[(heads * n_q,)](
+        scores, mask, n_q, n_k, seq_k - seq_q, seq_q, threshold, scores.stride(0), scores.stride(1),
+        mask.stride(0), mask.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, CAUSAL=check_causal(causal), num_warps=min(16, max(4, block_k // 256)),
+    )
+    return mask.view(torch.bool)
+
+
+def block_density(
+    mask: torch.Tensor, causal: bool = True, block_size: int = 128, seq_q: int | None = None,
+    seq_k: int | None = None,
+) -> float:
+    """Kept blocks / visible blocks of a ``[Hq, nQ, nK]`` bool mask (0.0 when nothing is visible);
+    visibility as in :func:`block_layout`. Syncs with the device (returns a Python float)."""
+    if mask.dim() != 3:
+        raise ValueError(f"expected mask [Hq, nQ, nK]; got {tuple(mask.shape)}")
+    heads, n_q, n_k = mask.shape
+    visible, _ = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, mask.device)
+    total = int(visible.sum()) * heads
+    return float((mask.bool() & visible).sum()) / total if total else 0.0
