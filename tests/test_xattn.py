@@ -268,6 +268,13 @@ def test_selection_and_density_bad_arguments():
         xattn_select_blocks(scores, -0.1, True)
     with pytest.raises(ValueError, match="seq_q=1000"):
         xattn_select_blocks(scores, 0.9, True, 128, seq_q=1000, seq_k=500)
+    with pytest.raises(ValueError, match="causal='no' must be a bool"):
+        xattn_select_blocks(scores, 0.9, "no")
+    for block_size in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"block_size={block_size!r} must be a positive int"):
+            xattn_select_blocks(scores, 0.9, True, block_size)
+    with pytest.raises(ValueError, match="expected scores .*got list"):
+        xattn_select_blocks([[0.5]], 0.9, True)
     with pytest.raises(ValueError, match=r"mask \[Hq, nQ, nK\]"):
         block_density(torch.ones(3, 4, dtype=torch.bool))
 

@@ -6,6 +6,8 @@ density of a mask (:func:`block_density`). Positions as in :mod:`nanovllm.ops.xa
 (queries are the last ``Sq`` of the ``Sk`` keys).
 """
 
+from numbers import Integral
+
 import torch
 
 from ._triton import cdiv, check_causal, next_pow2, tl, triton, use_triton
@@ -23,14 +25,18 @@ def _lengths(n_q: int, n_k: int, block_size: int, seq_q: int | None, seq_k: int 
     return seq_q, seq_k
 
 
-def _check_select_args(scores: torch.Tensor, threshold) -> float:
-    """ValueError for scores that are not 3-D or a threshold outside 0..1; the threshold as a float."""
-    if scores.dim() != 3:
-        raise ValueError(f"expected scores [Hq, nQ, nK]; got {tuple(scores.shape)}")
+def _check_select_args(scores: torch.Tensor, threshold, causal, block_size) -> tuple[float, bool, int]:
+    """ValueError for scores that are not a 3-D tensor, a threshold outside 0..1, a non-bool
+    causal or a block size that is not a positive int; returns them as float, bool and int."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
+        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"expected scores [Hq, nQ, nK]; got {got}")
     threshold = float(threshold)
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold={threshold} is outside 0..1")
-    return threshold
+    if isinstance(block_size, bool) or not isinstance(block_size, Integral) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    return threshold, check_causal(causal), int(block_size)
 
 
 def block_layout(
@@ -70,7 +76,7 @@ def xattn_select_blocks_ref(
 ) -> torch.Tensor:
     """Reference of :func:`xattn_select_blocks` (same arguments, result and errors): a stable
     float64 sort per row, a cumulative sum and a scatter back."""
-    threshold = _check_select_args(scores, threshold)
+    threshold, causal, block_size = _check_select_args(scores, threshold, causal, block_size)
     _, n_q, n_k = scores.shape
     visible, forced = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, scores.device)
     if threshold >= 1.0:
@@ -143,13 +149,14 @@ def xattn_select_blocks(
         block_size, seq_q, seq_k: the token lengths behind the blocks (see :func:`block_layout`).
 
     Raises:
-        ValueError: scores not 3-D, threshold outside 0..1, or lengths inconsistent with the shape.
+        ValueError: scores not a 3-D tensor, threshold outside 0..1, causal not a bool,
+            block_size not a positive int, or lengths inconsistent with the shape.
 
     CUDA (float32 scores): one Triton kernel, a program per (head, query block): the row's scores
     packed with their indices into int64 keys, one bitonic sort (``tl.sort``), the float64 prefix
     sum, and the kept flags scattered back; no host sync. Else :func:`xattn_select_blocks_ref`.
     """
-    threshold = _check_select_args(scores, threshold)
+    threshold, causal, block_size = _check_select_args(scores, threshold, causal, block_size)
     heads, n_q, n_k = scores.shape
     if threshold >= 1.0 or scores.dtype != torch.float32 or not use_triton(scores) or scores.numel() == 0:
         return xattn_select_blocks_ref(scores, threshold, causal, block_size, seq_q, seq_k)
@@ -160,7 +167,7 @@ def xattn_select_blocks(
     _select_kernel[(heads * n_q,)](
         scores, mask, n_q, n_k, seq_k - seq_q, seq_q, threshold, scores.stride(0), scores.stride(1),
         mask.stride(0), mask.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_K=block_k, CAUSAL=check_causal(causal), num_warps=min(16, max(4, block_k // 256)),
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, CAUSAL=causal, num_warps=min(16, max(4, block_k // 256)),
     )
     return mask.view(torch.bool)
 
