@@ -271,10 +271,17 @@ def test_selection_and_density_bad_arguments():
     with pytest.raises(ValueError, match="causal='no' must be a bool"):
         xattn_select_blocks(scores, 0.9, "no")
     for block_size in (0, 2.0, True):
-        with pytest.raises(ValueError, match=f"block_size={block_size!r} must be a positive int"):
+        with pytest.raises(ValueError, match=f"block_size={block_size!r} must be an int >= 1"):
             xattn_select_blocks(scores, 0.9, True, block_size)
     with pytest.raises(ValueError, match="expected scores .*got list"):
         xattn_select_blocks([[0.5]], 0.9, True)
+    for threshold in (None, True, "0.5"):
+        with pytest.raises(ValueError, match="must be a real number in 0..1"):
+            xattn_select_blocks(scores, threshold, True)
+    with pytest.raises(ValueError, match="seq_q=300.5 must be an int >= 0"):
+        xattn_select_blocks(torch.rand(2, 3, 4), 0.9, True, 128, seq_q=300.5, seq_k=500)
+    with pytest.raises(ValueError, match="causal='no'"):
+        block_layout(3, 4, "no")
     with pytest.raises(ValueError, match=r"mask \[Hq, nQ, nK\]"):
         block_density(torch.ones(3, 4, dtype=torch.bool))
 
@@ -304,6 +311,19 @@ def test_interpreted_select_kernel_ties_and_zeros():
     rand = torch.rand(5, 3, 2).permute(2, 1, 0)  # [2, 3, 5], last dim strided
     rand = rand / rand.sum(-1, keepdim=True)
     assert torch.equal(xattn_select_blocks(rand, 0.7, False), xattn_select_blocks_ref(rand, 0.7, False))
+    # numpy and 0-d torch integer lengths reach the kernel as ints.
+    np = pytest.importorskip("numpy")
+    lengths = dict(block_size=np.int64(16), seq_q=np.int64(40), seq_k=torch.tensor(70))
+    block = torch.rand(2, 3, 5)
+    assert torch.equal(xattn_select_blocks(block, 0.5, True, **lengths),
+                       xattn_select_blocks_ref(block, 0.5, True, 16, 40, 70))
+    # -0.0 and negative scores (outside the contract, but every entry must still be written as
+    # the reference decides): the kernel orders float bits, sign included.
+    signed = torch.tensor([[[-0.0, 0.6, -0.0, 0.4, -0.5, -0.25, 0.0]]])
+    for threshold in (0.0, 0.5, 1.0 - 1e-9):
+        for causal in (True, False):
+            assert torch.equal(xattn_select_blocks(signed, threshold, causal),
+                               xattn_select_blocks_ref(signed, threshold, causal)), (threshold, causal)
 
 
 def test_block_density_counts_visible_blocks_only():

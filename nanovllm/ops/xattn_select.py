@@ -6,37 +6,52 @@ density of a mask (:func:`block_density`). Positions as in :mod:`nanovllm.ops.xa
 (queries are the last ``Sq`` of the ``Sk`` keys).
 """
 
-from numbers import Integral
+import operator
+import struct
+from numbers import Real
 
 import torch
 
 from ._triton import cdiv, check_causal, next_pow2, tl, triton, use_triton
 
 
-def _lengths(n_q: int, n_k: int, block_size: int, seq_q: int | None, seq_k: int | None) -> tuple[int, int]:
-    """``(seq_q, seq_k)``, defaulting to whole blocks; ValueError unless they give n_q and n_k
-    blocks of block_size."""
-    seq_q = n_q * block_size if seq_q is None else seq_q
-    seq_k = n_k * block_size if seq_k is None else seq_k
+def _as_int(name: str, value, minimum: int) -> int:
+    """``value`` as an int >= minimum (numpy and 0-d torch integers included); ValueError for a
+    bool, float or anything else."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+    return value
+
+
+def _lengths(n_q: int, n_k: int, block_size, seq_q, seq_k) -> tuple[int, int, int]:
+    """``(block_size, seq_q, seq_k)`` as ints, the lengths defaulting to whole blocks; ValueError
+    for a block size < 1, negative or non-integer lengths, or lengths that do not give n_q and
+    n_k blocks."""
+    block_size = _as_int("block_size", block_size, 1)
+    seq_q = n_q * block_size if seq_q is None else _as_int("seq_q", seq_q, 0)
+    seq_k = n_k * block_size if seq_k is None else _as_int("seq_k", seq_k, 0)
     if cdiv(seq_q, block_size) != n_q or cdiv(seq_k, block_size) != n_k:
         raise ValueError(
             f"seq_q={seq_q}, seq_k={seq_k} do not give n_q={n_q}, n_k={n_k} blocks of {block_size}"
         )
-    return seq_q, seq_k
+    return block_size, seq_q, seq_k
 
 
-def _check_select_args(scores: torch.Tensor, threshold, causal, block_size) -> tuple[float, bool, int]:
-    """ValueError for scores that are not a 3-D tensor, a threshold outside 0..1, a non-bool
-    causal or a block size that is not a positive int; returns them as float, bool and int."""
+def _check_select_args(scores: torch.Tensor, threshold, causal) -> tuple[float, bool]:
+    """ValueError for scores that are not a 3-D tensor, a threshold that is not a real number in
+    0..1, or a non-bool causal; returns the threshold as a float and causal as a bool."""
     if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
         got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"expected scores [Hq, nQ, nK]; got {got}")
-    threshold = float(threshold)
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold={threshold} is outside 0..1")
-    if isinstance(block_size, bool) or not isinstance(block_size, Integral) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive int")
-    return threshold, check_causal(causal), int(block_size)
+    if isinstance(threshold, (bool, str)) or not isinstance(threshold, Real) or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold={threshold!r} must be a real number in 0..1")
+    return float(threshold), check_causal(causal)
 
 
 def block_layout(
@@ -52,7 +67,8 @@ def block_layout(
     ``seq_q``/``seq_k`` default to ``n_q * block_size`` / ``n_k * block_size``; pass the real
     lengths when they are not block multiples and ``Sk - Sq`` is not a block multiple.
     """
-    seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
+    block_size, seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
+    causal = check_causal(causal)
     qb = torch.arange(n_q, device=device)
     kb_start = torch.arange(n_k, device=device) * block_size
     first_pos = seq_k - seq_q + qb * block_size
@@ -76,7 +92,7 @@ def xattn_select_blocks_ref(
 ) -> torch.Tensor:
     """Reference of :func:`xattn_select_blocks` (same arguments, result and errors): a stable
     float64 sort per row, a cumulative sum and a scatter back."""
-    threshold, causal, block_size = _check_select_args(scores, threshold, causal, block_size)
+    threshold, causal = _check_select_args(scores, threshold, causal)
     _, n_q, n_k = scores.shape
     visible, forced = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, scores.device)
     if threshold >= 1.0:
@@ -102,22 +118,31 @@ def _visible_forced(kb, qb, n_k, offset, seq_q, BLOCK_SIZE: tl.constexpr, CAUSAL
 
 
 @triton.jit
+def _float_order(bits):
+    """int32 bits of float32 values -> int32 that orders as the floats do (-0.0 just below +0.0;
+    the map is its own inverse): negative floats get their 31 low bits flipped."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit(do_not_specialize=["threshold_bits"])
 def _select_kernel(
-    scores_ptr, mask_ptr, n_q, n_k, offset, seq_q, threshold, stride_sh, stride_sq, stride_mh, stride_mq,
-    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
+    scores_ptr, mask_ptr, n_q, n_k, offset, seq_q, threshold_bits, stride_sh, stride_sq, stride_mh, stride_mq,
+    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Program (h, qb). Scores are non-negative, so their float32 bits order as integers: key =
-    bits * BLOCK_K + (BLOCK_K - 1 - kb) sorts descending by score, ties by ascending index (the
-    reference's stable order); hidden and padding blocks sort as score 0."""
+    """Program (h, qb). key = order(score bits) << log2(BLOCK_K) | (BLOCK_K - 1 - kb) sorts
+    descending by score, ties by ascending index (the reference's stable order); hidden and
+    padding blocks sort as score 0. ``threshold_bits``: the float64 threshold's bits (a float
+    argument would be rounded to float32)."""
     h = tl.program_id(0) // n_q
     qb = tl.program_id(0) % n_q
     kb = tl.arange(0, BLOCK_K)
     scores = tl.load(scores_ptr + h * stride_sh + qb * stride_sq + kb, mask=kb < n_k, other=0.0)
     visible, _ = _visible_forced(kb, qb, n_k, offset, seq_q, BLOCK_SIZE, CAUSAL)
-    bits = tl.where(visible, scores, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.sort(bits * BLOCK_K + (BLOCK_K - 1 - kb), descending=True)
-    index = (BLOCK_K - 1 - key % BLOCK_K).to(tl.int32)
-    value = (key // BLOCK_K).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+    order = _float_order(tl.where(visible, scores, 0.0).to(tl.int32, bitcast=True))
+    key = tl.sort((order.to(tl.int64) << LOG2_BLOCK_K) | (BLOCK_K - 1 - kb), descending=True)
+    index = (BLOCK_K - 1 - (key & (BLOCK_K - 1))).to(tl.int32)
+    value = _float_order((key >> LOG2_BLOCK_K).to(tl.int32)).to(tl.float32, bitcast=True).to(tl.float64)
+    threshold = threshold_bits.to(tl.int64).to(tl.float64, bitcast=True)
     keep = tl.cumsum(value, 0) - value < threshold
     visible, forced = _visible_forced(index, qb, n_k, offset, seq_q, BLOCK_SIZE, CAUSAL)
     tl.store(mask_ptr + h * stride_mh + qb * stride_mq + index, ((keep & visible) | forced).to(tl.uint8),
@@ -154,20 +179,24 @@ def xattn_select_blocks(
 
     CUDA (float32 scores): one Triton kernel, a program per (head, query block): the row's scores
     packed with their indices into int64 keys, one bitonic sort (``tl.sort``), the float64 prefix
-    sum, and the kept flags scattered back; no host sync. Else :func:`xattn_select_blocks_ref`.
+    sum, and the kept flags scattered back; no host sync. Its scan adds in another order than
+    torch's cumsum, which can only matter where the threshold lies within float64 rounding of a
+    partial sum. Else :func:`xattn_select_blocks_ref`.
     """
-    threshold, causal, block_size = _check_select_args(scores, threshold, causal, block_size)
+    threshold, causal = _check_select_args(scores, threshold, causal)
     heads, n_q, n_k = scores.shape
     if threshold >= 1.0 or scores.dtype != torch.float32 or not use_triton(scores) or scores.numel() == 0:
         return xattn_select_blocks_ref(scores, threshold, causal, block_size, seq_q, seq_k)
-    seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
+    block_size, seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     mask = torch.empty(scores.shape, dtype=torch.uint8, device=scores.device)
     block_k = next_pow2(n_k)
+    threshold_bits = struct.unpack("<q", struct.pack("<d", threshold))[0]
     _select_kernel[(heads * n_q,)](
-        scores, mask, n_q, n_k, seq_k - seq_q, seq_q, threshold, scores.stride(0), scores.stride(1),
+        scores, mask, n_q, n_k, seq_k - seq_q, seq_q, threshold_bits, scores.stride(0), scores.stride(1),
         mask.stride(0), mask.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_K=block_k, CAUSAL=causal, num_warps=min(16, max(4, block_k // 256)),
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, CAUSAL=causal,
+        num_warps=min(16, max(4, block_k // 256)),
     )
     return mask.view(torch.bool)
 
@@ -178,8 +207,9 @@ def block_density(
 ) -> float:
     """Kept blocks / visible blocks of a ``[Hq, nQ, nK]`` bool mask (0.0 when nothing is visible);
     visibility as in :func:`block_layout`. Syncs with the device (returns a Python float)."""
-    if mask.dim() != 3:
-        raise ValueError(f"expected mask [Hq, nQ, nK]; got {tuple(mask.shape)}")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 3:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"expected mask [Hq, nQ, nK]; got {got}")
     heads, n_q, n_k = mask.shape
     visible, _ = block_layout(n_q, n_k, causal, block_size, seq_q, seq_k, mask.device)
     total = int(visible.sum()) * heads

@@ -169,3 +169,16 @@ def test_select_kernel_matches_reference(seq_q, seq_k, causal):
     for threshold in (0.5, 0.9, 0.95):
         got = xattn_select_blocks(scores, threshold, causal, **lengths)
         assert torch.equal(got, xattn_select_blocks_ref(scores, threshold, causal, **lengths)), threshold
+
+
+def test_select_kernel_threshold_is_float64():
+    """A Python float reaching Triton is float32; the kernel takes the threshold's float64 bits.
+    Scores whose cumulative sum equals float32(0.9) are kept at 0.9 by the reference only if the
+    comparison runs against 0.9 itself (and float32(1e-46) would be 0)."""
+    np = pytest.importorskip("numpy")
+    a = float(np.float32(0.9))
+    b = float(np.float32(1 - np.float32(0.9)))
+    for row, threshold in (([0.0, b, a, 0.0], 0.9), ([0.0, 0.7, 0.3, 0.0], 1e-46)):
+        scores = torch.tensor([[row]], device=DEVICE)
+        got = xattn_select_blocks(scores, threshold, False)
+        assert torch.equal(got, xattn_select_blocks_ref(scores, threshold, False)), (row, threshold)
