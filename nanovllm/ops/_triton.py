@@ -144,6 +144,12 @@ def row_group_descriptor(t: torch.Tensor, group: int, block_rows: int):
     return TensorDescriptor(t, [seq // group, (group - 1) * row + heads * dim], [group * row, 1], [block_rows, dim])
 
 
+def both_or_neither(first, second) -> tuple:
+    """``(first, second)``, or ``(None, None)`` when either descriptor is None: a kernel loads its
+    two TMA operands through descriptors together or not at all."""
+    return (None, None) if first is None or second is None else (first, second)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()

@@ -17,8 +17,8 @@ torch.compile and runs under Triton's interpreter in the CPU tests.
 import torch
 
 from ._triton import (
-    LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_same_device, check_scale,
-    is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
+    LOG2E, block_dim, both_or_neither, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim,
+    check_same_device, check_scale, is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
 )
 from .block_lists import kept_block_lists
 
@@ -228,8 +228,7 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
     """Tensor descriptors of k and v viewed as ``[Sk, Hkv * D]`` with ``[block_n, D]`` tiles
     (:func:`nanovllm.ops._triton.row_group_descriptor` with groups of one row), or
     ``(None, None)`` where either is ruled out."""
-    descriptors = tuple(row_group_descriptor(t, 1, block_n) for t in (k, v))
-    return (None, None) if any(d is None for d in descriptors) else descriptors
+    return both_or_neither(row_group_descriptor(k, 1, block_n), row_group_descriptor(v, 1, block_n))
 
 
 def _tiles(q: torch.Tensor, block_size: int) -> tuple[int, int, int]:

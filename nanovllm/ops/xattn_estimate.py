@@ -10,15 +10,16 @@ drives :func:`nanovllm.ops.block_sparse_attention.block_sparse_attention`.
 
 Positions: queries are the last ``Sq`` of the ``Sk`` keys (bottom-right aligned, as in
 :func:`nanovllm.ops.flash_attn_with_lse`): local query row ``i`` sits at key position
-``Sk - Sq + i``, or ``offset + i`` where an estimate takes an explicit ``offset``. Query block ``b`` is rows ``b*block_size .. (b+1)*block_size - 1`` (local), key
-block ``c`` is key positions ``c*block_size ..``; the last block of each may be partial.
+``Sk - Sq + i``, or ``offset + i`` where an estimate takes an explicit ``offset``. Query block
+``b`` is rows ``b*block_size .. (b+1)*block_size - 1`` (local), key block ``c`` is key positions
+``c*block_size ..``; the last block of each may be partial.
 """
 
 import torch
 
 from ._triton import (
-    LOG2E, block_dim, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset, check_same_device,
-    check_scale, is_pow2, next_pow2, row_group_descriptor, tl, triton, use_triton,
+    LOG2E, block_dim, both_or_neither, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset,
+    check_same_device, check_scale, is_pow2, next_pow2, row_group_descriptor, tl, triton, use_triton,
 )
 
 
@@ -507,9 +508,8 @@ def _strided_descriptors(q: torch.Tensor, k: torch.Tensor, stride: int, config: 
     h is view row r at column ``(S-1-i) * row stride + h * D``), with ``[BLOCK_M, D]`` /
     ``[BLOCK_N, D]`` tiles; ``(None, None)`` where either is ruled out (e.g. Sq or Sk not a
     multiple of S, or a head-major layout)."""
-    descriptors = (row_group_descriptor(q, stride, config["BLOCK_M"]),
-                   row_group_descriptor(k, stride, config["BLOCK_N"]))
-    return (None, None) if any(d is None for d in descriptors) else descriptors
+    return both_or_neither(row_group_descriptor(q, stride, config["BLOCK_M"]),
+                           row_group_descriptor(k, stride, config["BLOCK_N"]))
 
 
 def _launch_block_scores(q, k, stride, block_size, scale, causal, offset):
@@ -596,10 +596,11 @@ def xattn_block_scores(
     where a head_dim row is over 256 bytes), the reshape done by the loads (no copy): TMA bulk
     copies through descriptors over q and k viewed as ``[rows / S, S * row stride]`` when Sq and
     Sk are multiples of S (:func:`_strided_descriptors`; 1.4x faster on the H200), else strided
-    pointer loads; causally hidden key tiles skipped; per tile it updates each row's online-softmax max and sum (FA-2) and
-    writes the row's partial block sums ``exp2(A - m_tile)`` with ``m_tile``, the running max
-    they were taken against. Pass B (memory-bound) rescales them to each row's final max and sum,
-    sums them over the block's rows and divides by the number of rows that see a key (step 5).
+    pointer loads; causally hidden key tiles skipped; per tile it updates each row's
+    online-softmax max and sum (FA-2) and writes the row's partial block sums
+    ``exp2(A - m_tile)`` with ``m_tile``, the running max they were taken against. Pass B
+    (memory-bound) rescales them to each row's final max and sum, sums them over the block's rows
+    and divides by the number of rows that see a key (step 5).
     ``Hq * Sq * Sk * D / S`` multiply-adds (causal: about half), 1/S of QK^T's. Scratch: float32
     partial sums, tile maxima and row statistics,
     ``4 * Hq * ceil(Sq/S) * (ceil(Sk/block_size) + ceil(Sk/(S*N)) + 2)`` bytes (152 MB for
