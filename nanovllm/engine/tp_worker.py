@@ -12,6 +12,7 @@ Two launch modes:
   script, builds the same engine and schedules the same steps; rank 0 samples and broadcasts
   the tokens, so every rank's scheduler sees the same sequences (vLLM's "external launcher").
 """
+import atexit
 import os
 import pickle
 import time
@@ -90,6 +91,7 @@ def init_process_group(device: str, rank: int, world_size: int, store: dist.TCPS
                                    f"group; an engine on {device} needs {backend}")
             return
         dist.init_process_group(backend, init_method="env://")
+        atexit.register(_destroy_torchrun_group)
     else:
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
 
@@ -108,6 +110,15 @@ def check_same_calls(payload: bytes, device) -> None:
     if bounds[0].item() != -bounds[1].item():
         raise RuntimeError("under torchrun every rank must make the same calls with the same prompts "
                            "and sampling params, but this call's arguments differ between ranks")
+
+
+def _destroy_torchrun_group():
+    """At interpreter exit, tear down the torchrun process group an engine created (unless the
+    script already did): left alive, gloo's threads are destroyed still running when the
+    interpreter exits, which aborts the process (SIGABRT, "terminate called without an active
+    exception") and fails the torchrun job."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def destroy_process_group():
