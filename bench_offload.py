@@ -1,14 +1,20 @@
-"""One long sequence with the KV cache offloaded to host memory and without; prints JSON.
+"""Long sequences with the host tier of the KV cache and without (GPU-only); prints JSON.
 
-    python bench_offload.py --input-len 32768 --num-gpu-blocks 4 --block-size 4096
-    python bench_offload.py --sparse-policy XATTN_BSA --sparse-threshold 0.9
+    python bench_offload.py --input-len 130000 --block-size 4096                # one sequence, default budgets
+    python bench_offload.py --input-len 32768 --num-seqs 8 --num-kvcache-blocks 32   # GPU tier: half the KV
+    python bench_offload.py --shape llama-3-8b-1m --input-len 1000000 --decode-tokens 4 --modes gpu,tiered
 
-Default model: a random-weight checkpoint with Llama-3.1-8B's shape (created once under
-$NANOVLLM_CACHE). Reported per mode: prefill tok/s, TTFT, decode tok/s, TPOT; for offload also
-bytes moved H2D / D2H, achieved decode GB/s, and decode tok/s as a fraction of the PCIe bound
-(pinned bandwidth measured here / KV bytes read per token). The sparse policy applies to both
-modes (QUEST only changes offload decode; XATTN_BSA is block-sparse prefill in both); each mode
-reports its ``LLM.get_sparse_stats()`` of the measured request (``sparse_stats``).
+Default model: a random-weight checkpoint of ``--shape`` (Llama-3.1-8B, or Llama-3-8B with a
+1,048,576-token context and Gradient AI's rope_theta), created once under $NANOVLLM_CACHE.
+Reported per mode (``gpu``: host tier off; ``tiered``: ``enable_cpu_offload=True``): TTFT of the
+batch (every sequence has its first token), prefill and decode tok/s, the tier split during
+decode (``get_kv_cache_stats`` after the first decode step, which places every sequence's next
+block), bytes moved each way, and on CUDA decode as a fraction of its bound:
+
+    time per step >= max((GPU-resident KV + weights) / HBM bandwidth, host-resident KV / pinned bandwidth)
+
+with both bandwidths measured here. A mode the engine refuses (e.g. GPU-only at 1M tokens)
+reports its error. ``--num-kvcache-blocks`` forces the GPU tier of both modes.
 """
 import argparse
 import gc
@@ -19,24 +25,30 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import SHAPES, make_random_checkpoint
 
 
-def pinned_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Host-to-device GB/s of one large pinned copy (median of 5)."""
-    if device != "cuda":
-        return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """Median seconds of 5 copies (after one warm-up)."""
     times = []
     for _ in range(6):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dev.copy_(host, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / sorted(times[1:])[2] / 1e9
+    return sorted(times[1:])[2]
+
+
+def bandwidths(nbytes: int = 1 << 30) -> dict:
+    """Pinned host-to-device and HBM (device copy: read + write) GB/s; NaN without CUDA."""
+    if not torch.cuda.is_available():
+        return {"pinned_h2d_gb_per_s": float("nan"), "hbm_gb_per_s": float("nan")}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev, dev2 = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    return {"pinned_h2d_gb_per_s": round(nbytes / _timed_copy(dev, host) / 1e9, 1),
+            "hbm_gb_per_s": round(2 * nbytes / _timed_copy(dev2, dev) / 1e9, 1)}
 
 
 def sync():
@@ -44,93 +56,141 @@ def sync():
         torch.cuda.synchronize()
 
 
-def _stats_summary(stats: dict) -> dict:
-    """get_sparse_stats() without the per-layer lists (kept short for the JSON line)."""
-    return {"policy": stats["policy"], **{phase: {k: v for k, v in stats[phase].items() if k != "per_layer"}
-                                          for phase in ("prefill", "decode")}}
+def _engine_kwargs(args, tiered: bool) -> dict:
+    kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
+                  max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
+                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=args.sparse_policy,
+                  sparse_topk_blocks=args.sparse_topk_blocks, sparse_threshold_blocks=args.sparse_threshold_blocks,
+                  sparse_threshold=args.sparse_threshold)
+    if args.num_kvcache_blocks is not None:
+        kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks
+    if tiered:
+        kwargs.update(enable_cpu_offload=True, num_ring_slots=args.num_ring_slots,
+                      num_cpu_kvcache_blocks=args.num_cpu_kvcache_blocks)
+    return kwargs
 
 
-def run_one(args, offload: bool) -> dict:
-    kwargs = dict(max_model_len=args.input_len + args.decode_tokens + 16, kvcache_block_size=args.block_size,
-                  max_num_seqs=1, enforce_eager=args.enforce_eager, device=args.device,
-                  sparse_policy=args.sparse_policy, sparse_threshold=args.sparse_threshold,
-                  sparse_topk_blocks=args.sparse_topk_blocks, sparse_threshold_blocks=args.sparse_threshold_blocks)
-    if offload:
-        kwargs.update(enable_cpu_offload=True, num_gpu_blocks=args.num_gpu_blocks,
-                      num_cpu_kvcache_blocks=-(-kwargs["max_model_len"] // args.block_size))
-    else:
-        kwargs.update(max_num_batched_tokens=args.max_num_batched_tokens)
-    llm = LLM(args.model, **kwargs)
+def _prompts(args, vocab_size: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, 30000, (args.input_len,), generator=g).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    llm.generate([prompt[:args.block_size]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    engine = getattr(llm.model_runner, "offload_engine", None)
-    if engine is not None:
-        engine.reset()
-    llm.reset_sparse_stats()
-    llm.add_request(prompt, params)
-    sync()
-    t0 = time.perf_counter()
-    while not llm.scheduler.running:
-        llm.step()
-    sync()
-    ttft = time.perf_counter() - t0
-    h2d_prefill = engine.bytes_h2d if engine else 0
-    t1 = time.perf_counter()
+    high = min(30000, vocab_size)
+    return [torch.randint(1, high, (args.input_len,), generator=g).tolist() for _ in range(args.num_seqs)]
+
+
+def _step_until(llm, done) -> list:
     finished = []
-    while not llm.is_finished():
+    while not done():
         finished += llm.step()[0]
     sync()
+    return finished
+
+
+def _decode_bound(llm, stats: dict, bw: dict, num_seqs: int) -> float:
+    """Decode tok/s the hardware allows for this batch and tier split (see the module doc)."""
+    block_bytes = llm.model_runner.cache.geometry.block_bytes
+    weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+    gpu_side = (stats["gpu_blocks_used"] * block_bytes + weights) / (bw["hbm_gb_per_s"] * 1e9)
+    host_side = stats["host_blocks_used"] * block_bytes / (bw["pinned_h2d_gb_per_s"] * 1e9)
+    return num_seqs / max(gpu_side, host_side)
+
+
+def run_mode(args, tiered: bool, bw: dict) -> dict:
+    try:
+        llm = LLM(args.model, **_engine_kwargs(args, tiered))
+    except (RuntimeError, ValueError) as err:
+        return {"error": str(err)}
+    try:
+        return _measure(llm, args, bw)
+    except (RuntimeError, ValueError) as err:  # e.g. a prompt the cache cannot hold
+        return {"error": str(err)}
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+
+def _measure(llm, args, bw: dict) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    llm.generate([list(range(1, 257))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    llm.reset_sparse_stats()
+    before = llm.get_kv_cache_stats()
+    for prompt in _prompts(args, llm.config.hf_config.vocab_size):
+        llm.add_request(prompt, params)
+    sync()
+    t0 = time.perf_counter()
+    finished = _step_until(llm, lambda: not llm.scheduler.waiting and all(
+        s.num_completion_tokens for s in llm.scheduler.running))
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    finished += llm.step()[0]  # the first decode step places (and may spill) every sequence's next block
+    at_decode = llm.get_kv_cache_stats()
+    finished += _step_until(llm, llm.is_finished)
     decode_s = time.perf_counter() - t1
+    after = llm.get_kv_cache_stats()
+    block_bytes = llm.model_runner.cache.geometry.block_bytes
     steps = args.decode_tokens - 1
-    result = {"mode": "offload" if offload else "gpu", "input_len": args.input_len,
-              "prefill_tok_per_s": round(args.input_len / ttft, 1), "ttft_s": round(ttft, 3),
-              "decode_tok_per_s": round(steps / decode_s, 2), "tpot_ms": round(decode_s / steps * 1e3, 3),
-              "tokens": finished[0].completion_token_ids, "sparse_stats": _stats_summary(llm.get_sparse_stats())}
-    if engine is not None:
-        h2d_decode = engine.bytes_h2d - h2d_prefill
-        result.update(bytes_h2d=engine.bytes_h2d, bytes_d2h=engine.bytes_d2h,
-                      decode_h2d_gb_per_s=round(h2d_decode / decode_s / 1e9, 2),
-                      kv_bytes_per_token=h2d_decode // steps)
-    llm.shutdown()
-    del llm
-    gc.collect()
+    result = {"ttft_s": round(ttft, 3), "prefill_tok_per_s": round(args.num_seqs * args.input_len / ttft, 1),
+              "decode_tok_per_s": round(args.num_seqs * steps / decode_s, 2),
+              "tpot_ms": round(decode_s / steps * 1e3, 3), "tiers_at_decode": at_decode,
+              "bytes_h2d": (after["loaded_blocks"] - before["loaded_blocks"]) * block_bytes,
+              "bytes_d2h": (after["spilled_blocks"] - before["spilled_blocks"]) * block_bytes,
+              "preemptions": after["preemptions"] - before["preemptions"],
+              "tokens": [s.completion_token_ids for s in sorted(finished, key=lambda s: s.seq_id)]}
+    if torch.cuda.is_available():
+        bound = _decode_bound(llm, at_decode, bw, args.num_seqs)
+        result.update(decode_bound_tok_per_s=round(bound, 2),
+                      decode_fraction_of_bound=round(result["decode_tok_per_s"] / bound, 3))
+    if args.sparse_policy != "FULL":
+        stats = llm.get_sparse_stats()
+        result["sparse_stats"] = {phase: {k: v for k, v in stats[phase].items() if k != "per_layer"}
+                                  for phase in ("prefill", "decode")}
     return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF model dir (default: random-weight Llama-3.1-8B shape)")
+    parser.add_argument("--model", help="HF model dir (default: a random-weight checkpoint of --shape)")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--input-len", type=int, default=32768)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--num-seqs", type=int, default=1, help="sequences of --input-len, run together")
     parser.add_argument("--block-size", type=int, default=4096)
-    parser.add_argument("--num-gpu-blocks", type=int, default=4)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="GPU-only chunk")
+    parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="force the GPU tier (both modes)")
+    parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1, help="host tier blocks (-1: sized by the engine)")
+    parser.add_argument("--num-ring-slots", type=int, default=4)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
-    parser.add_argument("--sparse-threshold", type=float, default=0.9,
-                        help="XATTN_BSA: attention mass kept per query block, in [0, 1]")
-    parser.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score")
-    parser.add_argument("--sparse-threshold-blocks", type=int, default=4, help="QUEST: select above this many")
-    parser.add_argument("--modes", default="gpu,offload")
+    parser.add_argument("--sparse-threshold", type=float, default=0.9)
+    parser.add_argument("--sparse-topk-blocks", type=int, default=8)
+    parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
+    parser.add_argument("--modes", default="gpu,tiered", help="comma-separated: gpu, tiered")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= {"gpu", "tiered"}:
+        parser.error(f"--modes must list gpu and/or tiered, got {args.modes!r}")
+    for name in ("input_len", "decode_tokens", "num_seqs"):
+        if getattr(args, name) < (2 if name == "decode_tokens" else 1):
+            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     if args.model is None:
         cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-        args.model = make_random_checkpoint("llama-3.1-8b", os.path.join(cache, "random-llama-3.1-8b"))
-    results = {m: run_one(args, m == "offload") for m in args.modes.split(",")}
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "pinned_h2d_gb_per_s": round(pinned_bandwidth("cuda" if torch.cuda.is_available() else "cpu"), 1)}
+        args.model = make_random_checkpoint(args.shape, os.path.join(cache, f"random-{args.shape}"))
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(args.model).max_position_embeddings
+    if args.input_len + args.decode_tokens > limit:
+        parser.error(f"--input-len + --decode-tokens = {args.input_len + args.decode_tokens} exceeds the model's "
+                     f"max_position_embeddings={limit}")
+    bw = bandwidths()
+    results = {mode: run_mode(args, mode == "tiered", bw) for mode in modes}
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **bw,
+              "args": {k: v for k, v in vars(args).items() if k != "model"}}
     for mode, r in results.items():
         report[mode] = {k: v for k, v in r.items() if k != "tokens"}
-    if "gpu" in results and "offload" in results:
-        report["tokens_identical"] = results["gpu"]["tokens"] == results["offload"]["tokens"]
-        report["offload_prefill_ratio"] = round(results["offload"]["prefill_tok_per_s"] / results["gpu"]["prefill_tok_per_s"], 3)
-    if "offload" in results and torch.cuda.is_available():
-        bound = report["pinned_h2d_gb_per_s"] * 1e9 / results["offload"]["kv_bytes_per_token"]
-        report["offload"]["pcie_bound_tok_per_s"] = round(bound, 2)
-        report["offload"]["decode_fraction_of_pcie_bound"] = round(results["offload"]["decode_tok_per_s"] / bound, 3)
+    if all("tokens" in results.get(m, {}) for m in ("gpu", "tiered")):
+        gpu, tiered = results["gpu"], results["tiered"]
+        report["tokens_identical"] = gpu["tokens"] == tiered["tokens"]
+        report["tiered_over_gpu"] = {k: round(tiered[k] / gpu[k], 3) for k in ("prefill_tok_per_s", "decode_tok_per_s")}
     print(json.dumps(report))
 
 

@@ -1,7 +1,8 @@
-"""Kernel time of one long prefill by category, GPU-only vs offload; prints one JSON line per mode.
+"""Kernel time of one long prefill by category, GPU-only vs the host tier; prints one JSON line per mode.
 
-Random-weight Llama-3.1-8B shape (bench_offload.py's checkpoint), bf16. GPU-only prefills in
-16,384-token chunks; offload in 4,096-token chunks (the block) through 4 ring slots. Under
+Random-weight Llama-3.1-8B shape (bench_offload.py's checkpoint), bf16, 4,096-token blocks,
+16,384-token chunks. The tiered mode forces the GPU tier to 4 blocks, so each chunk gathers its
+prefix's host blocks (H2D copies on the compute stream). Under
 torch.profiler, each kernel's device time is summed into a category (GEMM, attention, merge,
 memcpy, norm/RoPE, other) and the 25 largest entries are listed, beside the wall-clock TTFT:
 TTFT minus the compute kernels' sum is time the compute stream waited (copies run on their own
@@ -29,11 +30,9 @@ def category(kernel: str) -> str:
 
 
 def profile_prefill(model: str, offload: bool, input_len: int) -> dict:
-    kwargs = dict(max_model_len=input_len + 64, kvcache_block_size=BLOCK, max_num_seqs=1)
+    kwargs = dict(max_model_len=input_len + 64, kvcache_block_size=BLOCK, max_num_seqs=1, max_num_batched_tokens=16384)
     if offload:
-        kwargs.update(enable_cpu_offload=True, num_gpu_blocks=4, num_cpu_kvcache_blocks=-(-(input_len + 64) // BLOCK))
-    else:
-        kwargs.update(max_num_batched_tokens=16384)
+        kwargs.update(enable_cpu_offload=True, num_kvcache_blocks=4, num_cpu_kvcache_blocks=-(-(input_len + 64) // BLOCK))
     llm = LLM(model, **kwargs)
     prompt = torch.randint(1, 30000, (input_len,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.generate([prompt[:BLOCK]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -56,7 +55,7 @@ def profile_prefill(model: str, offload: bool, input_len: int) -> dict:
         totals[category(event.key)] = totals.get(category(event.key), 0.0) + ms
         kernels[event.key[:100]] = (round(ms, 1), event.count)
     top = sorted(kernels.items(), key=lambda item: -item[1][0])[:25]
-    return {"mode": "offload" if offload else "gpu", "input_len": input_len, "ttft_s": round(ttft, 3),
+    return {"mode": "tiered" if offload else "gpu", "input_len": input_len, "ttft_s": round(ttft, 3),
             "kernel_ms_by_category": {c: round(ms, 1) for c, ms in sorted(totals.items())},
             "top_kernels": [{"kernel": name, "ms": ms, "calls": calls} for name, (ms, calls) in top]}
 

@@ -2,6 +2,7 @@
 import logging
 import math
 import os
+import warnings
 from numbers import Real
 from dataclasses import dataclass, field
 
@@ -72,21 +73,25 @@ class Config:
             WORLD_SIZE under torchrun.
         enforce_eager: disable CUDA graphs for decode.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
-        num_kvcache_blocks: KV blocks to allocate; -1 sizes the cache from free memory.
+        num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
+            ``nanovllm.engine.memory``).
         dtype: "float32" | "float16" | "bfloat16" | torch dtype | None (the model's on GPU,
             float32 on CPU).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator.
-        enable_cpu_offload: keep the KV cache in (pinned) host memory and stream it through a GPU
-            ring buffer of ``num_gpu_blocks`` slots; prefill runs in chunks of one block.
-        num_gpu_blocks: ring-buffer slots in offload mode, >= 2.
-        num_cpu_kvcache_blocks: host KV blocks in offload mode; -1 sizes them from
-            ``cpu_memory_utilization`` of the available host memory.
-        cpu_memory_utilization: share of available host memory offload mode may pin, in (0, 1].
-        sparse_policy: "FULL" (every block), "QUEST" (offload decode: top-k blocks by key
-            min/max bounds) or "XATTN_BSA" (prefill, offload and GPU-only: XAttention block-sparse
-            attention, Xu et al. 2025; decode is full); see ``nanovllm.kvcache.sparse`` and
-            ``docs/sparse.md``. ``LLM.get_sparse_stats()`` reports the densities.
+        enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
+            are spilled to pinned host memory and read back through a GPU ring buffer of
+            ``num_ring_slots`` slots (``docs/kvcache.md``).
+        num_ring_slots: ring-buffer slots of the host tier, >= 2 (``num_gpu_blocks`` is its
+            deprecated name).
+        num_cpu_kvcache_blocks: host-tier blocks; -1 sizes them from ``cpu_memory_utilization`` of
+            the available host memory (at most what ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens use).
+        cpu_memory_utilization: share of available host memory the host tier may pin, in (0, 1].
+        sparse_policy: "FULL" (every block), "QUEST" (decode: top-k blocks by key min/max bounds,
+            in both tiers) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al.
+            2025; decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
+            ``LLM.get_sparse_stats()`` reports the densities.
         sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
             first and the last block, which are always loaded.
         sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
@@ -94,11 +99,10 @@ class Config:
             block) keeps, in [0, 1] (default 0.9; 1.0 keeps every block: FULL's result).
         sparse_stride: XATTN_BSA antidiagonal stride of the estimation, a power of two in
             [1, 64] and <= sparse_block_size (default 8; 16 is cheaper and coarser).
-        sparse_block_size: XATTN_BSA sparse block in tokens, a power of two in [16, 1024] that
-            divides kvcache_block_size (default 128).
-        sparse_chunk_size: XATTN_BSA, GPU-only mode: query rows estimated per call, a multiple
-            of sparse_block_size (default 16384); bounds the estimation's memory. Offload mode
-            estimates one prefill chunk (one KV block) at a time.
+        sparse_block_size: XATTN_BSA sparse block in tokens, a power of two in [16, 1024]
+            (default 128).
+        sparse_chunk_size: XATTN_BSA: query rows estimated per call, a multiple of
+            sparse_block_size (default 16384); bounds the estimation's memory.
 
     Raises:
         ValueError: a bad field, naming the field, the value and the limit.
@@ -117,7 +121,8 @@ class Config:
     device: str = "auto"
     seed: int = 0
     enable_cpu_offload: bool = False
-    num_gpu_blocks: int = 4
+    num_ring_slots: int = 4
+    num_gpu_blocks: int | None = None  # deprecated name of num_ring_slots
     num_cpu_kvcache_blocks: int = -1
     cpu_memory_utilization: float = 0.5
     sparse_policy: str = "FULL"
@@ -161,9 +166,14 @@ class Config:
         self._check_tensor_parallel()
 
     def _check_offload(self):
-        from nanovllm.kvcache.sparse import SparsePolicyType
+        from nanovllm.sparse import SparsePolicyType
 
-        _check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
+        if self.num_gpu_blocks is not None:
+            warnings.warn("num_gpu_blocks is deprecated and will be removed in the next release: it means the "
+                          "host tier's ring slots; use num_ring_slots", DeprecationWarning, stacklevel=5)
+            _check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
+            self.num_ring_slots, self.num_gpu_blocks = self.num_gpu_blocks, None
+        _check_range("num_ring_slots", self.num_ring_slots, 2)
         if self.num_cpu_kvcache_blocks != -1:
             _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
         _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
@@ -174,13 +184,10 @@ class Config:
         self._check_xattn()
 
     def _check_xattn(self):
-        from nanovllm.kvcache.sparse.xattn_policy import check_xattn_params
+        from nanovllm.sparse.xattn import check_xattn_params
 
         check_xattn_params(self.sparse_threshold, self.sparse_stride, self.sparse_block_size,
                            self.sparse_chunk_size)
-        if self.kvcache_block_size % self.sparse_block_size:
-            raise ValueError(f"sparse_block_size={self.sparse_block_size} must divide "
-                             f"kvcache_block_size={self.kvcache_block_size}")
 
     def _check_tensor_parallel(self):
         from nanovllm.engine.tp_worker import torchrun_rank

@@ -12,9 +12,9 @@ import argparse
 from dataclasses import dataclass
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
-ENGINE_FIELDS = ("enable_offload", "num_gpu_blocks", "block_size", "sparse_policy", "sparse_topk_blocks",
-                 "sparse_threshold_blocks", "sparse_threshold", "sparse_stride", "num_cpu_blocks", "device", "dtype",
-                 "enforce_eager")
+ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
+                 "sparse_topk_blocks", "sparse_threshold_blocks", "sparse_threshold", "sparse_stride", "num_cpu_blocks",
+                 "device", "dtype", "enforce_eager")
 
 
 @dataclass
@@ -22,13 +22,15 @@ class EngineSettings:
     """The engine's offload/runtime options. Subclasses define ``max_model_len`` (the tokens one
     sequence needs), check their own fields first and then call ``super().validate()``.
 
-    ``num_cpu_blocks=None`` gives the offloaded host cache exactly what ``max_num_seqs``
-    sequences of ``max_model_len`` tokens need (the engine's own sizing, -1, would take a share
-    of all free host memory, and on CPU it also sizes the "GPU" decode buffers from host memory).
+    With ``enable_offload`` (the host tier), ``num_gpu_kv_blocks=None`` gives the GPU tier the
+    fewest blocks the engine allows, 2 per sequence (its first block and the block it writes), so
+    the host tier holds everything else and decode reads it through the ring; ``num_cpu_blocks=None``
+    gives the host tier exactly what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
     """
 
     enable_offload: bool = False
-    num_gpu_blocks: int = 2
+    num_ring_slots: int = 2
+    num_gpu_kv_blocks: int | None = None
     block_size: int = 1024
     sparse_policy: str = "FULL"
     sparse_topk_blocks: int = 8
@@ -53,8 +55,10 @@ class EngineSettings:
         self._validate_sparse()
         if not self.enable_offload:
             return
-        if self.num_gpu_blocks < 2:
-            raise ValueError(f"num-gpu-blocks must be >= 2 (ring-buffer slots), got {self.num_gpu_blocks}")
+        if self.num_ring_slots < 2:
+            raise ValueError(f"num-ring-slots must be >= 2, got {self.num_ring_slots}")
+        if self.num_gpu_kv_blocks is not None and self.num_gpu_kv_blocks < 2:
+            raise ValueError(f"num-gpu-kv-blocks must be >= 2 with the host tier, got {self.num_gpu_kv_blocks}")
         if self.block_size <= 0 or self.block_size % 256:
             raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
         need = -(-self.max_model_len // self.block_size)
@@ -67,7 +71,7 @@ class EngineSettings:
         """The sparse options (XATTN_BSA applies without offload too)."""
         import math
 
-        from nanovllm.kvcache.sparse import SparsePolicyType
+        from nanovllm.sparse import SparsePolicyType
 
         try:
             SparsePolicyType.parse(self.sparse_policy)
@@ -95,8 +99,9 @@ class EngineSettings:
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
-            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size,
-                      num_gpu_blocks=self.num_gpu_blocks,
+            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size, num_ring_slots=self.num_ring_slots,
+                      num_kvcache_blocks=(self.num_gpu_kv_blocks if self.num_gpu_kv_blocks is not None
+                                          else 2 * max_num_seqs),
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
                                               else per_seq * max_num_seqs))
         return kw
@@ -108,14 +113,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     taking the parser) adds options that belong between the offload ones and ``--device``."""
     p = parser
     p.add_argument("--enable-offload", action="store_true",
-                   help="CPU-offloaded KV cache (enable_cpu_offload=True)")
-    p.add_argument("--num-gpu-blocks", type=int, default=2, help="offload ring-buffer slots (default 2)")
+                   help="the host tier of the KV cache (enable_cpu_offload=True)")
+    p.add_argument("--num-ring-slots", type=int, default=2, help="host tier: ring-buffer slots (default 2)")
+    p.add_argument("--num-gpu-kv-blocks", type=int, default=None,
+                   help="host tier: GPU-tier blocks (default: 2 per sequence, so the host tier holds the rest)")
     p.add_argument("--block-size", type=int, default=1024,
-                   help="offload KV block / prefill chunk in tokens, a multiple of 256 (default 1024)")
+                   help="host tier: KV block in tokens, a multiple of 256 (default 1024)")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
     p.add_argument("--sparse-policy", default="FULL",
-                   help="sparse policy: FULL, QUEST (offload decode) or XATTN_BSA (prefill, with or "
-                        "without offload) (default FULL)")
+                   help="sparse policy: FULL, QUEST (decode) or XATTN_BSA (prefill) (default FULL)")
     p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
     p.add_argument("--sparse-threshold-blocks", type=int, default=4,
                    help="QUEST: select only above this many blocks (default 4)")
@@ -172,13 +178,22 @@ def make_llm(model_dir: str, settings: EngineSettings):
 
 
 def engine_offload(llm) -> dict | None:
-    """The offload settings the engine actually runs with (None: GPU-only paged KV cache)."""
+    """The host-tier settings the engine actually runs with (None: no host tier)."""
     cfg = llm.config
     if not cfg.enable_cpu_offload:
         return None
-    return dict(block_size=cfg.kvcache_block_size, num_gpu_blocks=cfg.num_gpu_blocks,
-                num_cpu_blocks=llm.model_runner.num_kv_blocks,
+    stats = llm.get_kv_cache_stats()
+    return dict(block_size=cfg.kvcache_block_size, num_ring_slots=cfg.num_ring_slots,
+                gpu_blocks=stats["gpu_blocks"], host_blocks=stats["host_blocks"],
                 sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
+
+
+def tier_moves(llm) -> tuple[int, int] | None:
+    """``(loaded_blocks, spilled_blocks)`` so far (None without a host tier)."""
+    if not llm.config.enable_cpu_offload:
+        return None
+    stats = llm.get_kv_cache_stats()
+    return stats["loaded_blocks"], stats["spilled_blocks"]
 
 
 def sparse_stats_text(stats: dict | None) -> str:

@@ -172,7 +172,7 @@ def test_bad_dtype_and_device(qwen3_dir):
 
 
 def test_not_enough_kv_memory_for_one_sequence(qwen3_dir):
-    with pytest.raises(RuntimeError, match=r"1 blocks x 256 = 256 tokens, fewer than "
+    with pytest.raises(RuntimeError, match=r"1 GPU \+ 0 host blocks x 256 = 256 tokens, fewer than "
                                            r"max_model_len=1024"):
         build_llm(qwen3_dir, num_kvcache_blocks=1, max_model_len=1024)
 
@@ -264,7 +264,7 @@ def test_generate_that_raised_releases_its_requests(llm, good_prompts, monkeypat
     monkeypatch.undo()
     leftover = len(llm.scheduler.waiting) + len(llm.scheduler.running)
     bm = llm.scheduler.block_manager
-    held = len(bm.blocks) - bm.num_free_blocks
+    held = bm.gpu.num_blocks - bm.num_free_blocks
     while not llm.is_finished():  # clean up for the next test whatever the outcome
         llm.step()
     assert leftover == 0 and held == 0, (
@@ -275,5 +275,5 @@ def test_all_blocks_free_after_errors(llm):
     while not llm.is_finished():  # leftovers of an aborted generate, if any
         llm.step()
     bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.gpu.num_blocks
+    assert all(b.ref_count == 0 for b in bm.gpu.blocks)

@@ -92,7 +92,7 @@ def test_batch_equals_one_at_a_time(arch_env):
     assert token_ids(batch) == token_ids(single), arch
     assert all(len(o["token_ids"]) == 20 for o in batch)
     bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.gpu.num_blocks
 
 
 def test_text_prompt_and_output_text(arch_env):

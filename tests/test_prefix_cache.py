@@ -35,8 +35,8 @@ def no_cache_reference(qwen3_dir):
 
 def assert_all_free(llm):
     bm = llm.scheduler.block_manager
-    assert [b.ref_count for b in bm.blocks] == [0] * len(bm.blocks)
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert [b.ref_count for b in bm.gpu.blocks] == [0] * bm.gpu.num_blocks
+    assert bm.num_free_blocks == bm.gpu.num_blocks
     assert llm.is_finished()
 
 
@@ -103,7 +103,7 @@ def test_prompts_sharing_a_prefix_share_one_block(llm, no_cache_reference):
     assert seq_b.block_table[0] == seq_a.block_table[0]
     assert seq_b.block_table[1] != seq_a.block_table[1]
     bm = llm.scheduler.block_manager
-    assert bm.blocks[seq_a.block_table[0]].ref_count == 2
+    assert bm.gpu.blocks[seq_a.block_table[0]].ref_count == 2
     while not llm.is_finished():
         llm.step()
     assert seq_a.completion_token_ids == no_cache_reference(a)
@@ -172,6 +172,12 @@ def make_seq(tokens: list[int]) -> Sequence:
     return Sequence(tokens, SamplingParams(temperature=0.0, max_tokens=1), BLOCK)
 
 
+def admit(bm: BlockManager, seq: Sequence):
+    """Admit ``seq`` and give its whole prompt GPU blocks (what the scheduler does chunk by chunk)."""
+    bm.allocate(seq)
+    assert bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens) == len(seq) - seq.num_computed_tokens
+
+
 def computed(bm: BlockManager, seq: Sequence):
     """Pretend the whole sequence was prefilled, and register its full blocks."""
     seq.num_computed_tokens = len(seq)
@@ -181,21 +187,21 @@ def computed(bm: BlockManager, seq: Sequence):
 def test_freed_cached_blocks_are_reused_last():
     bm = BlockManager(4, BLOCK)
     a = make_seq(random_prompt(2 * BLOCK, seed=330))
-    bm.allocate(a)
+    admit(bm, a)
     a_blocks = list(a.block_table)
     computed(bm, a)
     bm.deallocate(a)
     assert bm.num_free_blocks == 4
     # Two new uncached blocks come from the never-cached ones, not from a's.
     b = make_seq(random_prompt(2 * BLOCK, seed=331))
-    bm.allocate(b)
+    admit(bm, b)
     assert not set(b.block_table) & set(a_blocks)
     # a's prefix is still fully cached.
     a_again = make_seq(a.token_ids)
     assert bm.can_allocate(a_again)
     bm.deallocate(b)  # b's blocks were never committed: they go back to the front
     c = make_seq(random_prompt(BLOCK + 1, seed=332))
-    bm.allocate(c)
+    admit(bm, c)
     assert not set(c.block_table) & set(a_blocks)
     bm.deallocate(c)
 
@@ -205,17 +211,17 @@ def test_least_recently_freed_cached_block_is_evicted_first_and_tail_before_head
     a = make_seq(random_prompt(2 * BLOCK, seed=340))
     b = make_seq(random_prompt(2 * BLOCK, seed=341))
     for seq in (a, b):
-        bm.allocate(seq)
+        admit(bm, seq)
         computed(bm, seq)
     a_blocks, b_blocks = list(a.block_table), list(b.block_table)
     bm.deallocate(a)
     bm.deallocate(b)
     # All 4 blocks are cached and free. A new 1-block prompt evicts a's *last* block first.
     c = make_seq(random_prompt(BLOCK, seed=342))
-    bm.allocate(c)
+    admit(bm, c)
     assert c.block_table == [a_blocks[1]]
     a_again = make_seq(a.token_ids[:BLOCK] + [7])
-    bm.allocate(a_again)
+    admit(bm, a_again)
     assert a_again.num_cached_tokens == BLOCK  # a's head block survived
     assert a_again.block_table[0] == a_blocks[0]
     assert a_again.block_table[1] == b_blocks[1]  # next evicted: b's tail, b's head survives
@@ -223,7 +229,7 @@ def test_least_recently_freed_cached_block_is_evicted_first_and_tail_before_head
     bm.deallocate(a_again)
     assert bm.num_free_blocks == 4
     b_again = make_seq(b.token_ids)
-    bm.allocate(b_again)
+    admit(bm, b_again)
     assert b_again.num_cached_tokens == BLOCK
     assert b_again.num_computed_tokens == BLOCK
 
@@ -232,13 +238,13 @@ def test_shared_block_refcounts():
     bm = BlockManager(6, BLOCK)
     shared = random_prompt(BLOCK, seed=350)
     a = make_seq(shared + random_prompt(10, seed=351))
-    bm.allocate(a)
+    admit(bm, a)
     computed(bm, a)
     b = make_seq(shared + random_prompt(20, seed=352))
     c = make_seq(shared)
-    bm.allocate(b)
-    bm.allocate(c)
-    head = bm.blocks[a.block_table[0]]
+    admit(bm, b)
+    admit(bm, c)
+    head = bm.gpu.blocks[a.block_table[0]]
     assert b.block_table[0] == c.block_table[0] == head.block_id
     assert head.ref_count == 3
     assert c.num_cached_tokens == BLOCK and c.num_computed_tokens == BLOCK - 1
@@ -247,21 +253,21 @@ def test_shared_block_refcounts():
         bm.deallocate(seq)
     assert head.ref_count == 0
     assert bm.num_free_blocks == 6
-    assert all(block.ref_count == 0 for block in bm.blocks)
+    assert all(block.ref_count == 0 for block in bm.gpu.blocks)
 
 
 def test_can_allocate_counts_free_cached_hits():
     """A cached prefix block that is free counts once: it is reused, not taken as a new block."""
     bm = BlockManager(2, BLOCK)
     a = make_seq(random_prompt(2 * BLOCK, seed=360))
-    bm.allocate(a)
+    admit(bm, a)
     computed(bm, a)
     bm.deallocate(a)
     again = make_seq(a.token_ids + random_prompt(10, seed=361))  # needs 3 blocks, 2 cached
     assert not bm.can_allocate(again)
     same = make_seq(a.token_ids)
     assert bm.can_allocate(same)
-    bm.allocate(same)
+    admit(bm, same)
     assert same.num_cached_tokens == 2 * BLOCK
     assert bm.num_free_blocks == 0
 

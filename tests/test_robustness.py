@@ -107,7 +107,7 @@ def test_pin_engine_still_serves_after_the_errors(llm, prompts, qwen3_dir):
         want = token_ids(fresh.generate(prompts, greedy(6), use_tqdm=False))
     assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == want
     bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.gpu.num_blocks
 
 
 # ---- after shutdown ------------------------------------------------------------------------
@@ -155,10 +155,20 @@ def test_engine_option_bad_type(qwen3_dir, field, value):
         build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
 
 
-def test_offload_num_gpu_blocks_not_integer(qwen3_dir):
-    """TypeError from torch.Size in offload_engine."""
-    with pytest.raises(ValueError, match=r"num_gpu_blocks.*2\.5"):
-        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=2.5)
+def test_offload_num_ring_slots_not_integer(qwen3_dir):
+    """TypeError from torch.Size in the host tier."""
+    with pytest.raises(ValueError, match=r"num_ring_slots.*2\.5"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_ring_slots=2.5)
+
+
+def test_deprecated_num_gpu_blocks_still_sets_the_ring_slots(qwen3_dir):
+    with pytest.warns(DeprecationWarning, match="num_gpu_blocks is deprecated.*num_ring_slots"):
+        llm = build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=3,
+                        num_cpu_kvcache_blocks=4)
+    assert llm.config.num_ring_slots == 3 and llm.config.num_gpu_blocks is None
+    llm.shutdown()
+    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 2, got 1"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=1)
 
 
 def test_huge_num_kvcache_blocks_names_the_option(qwen3_dir):
@@ -168,13 +178,16 @@ def test_huge_num_kvcache_blocks_names_the_option(qwen3_dir):
         build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=10 ** 9)
 
 
-def test_pin_offload_one_slot_and_tiny_host_cache(qwen3_dir):
-    """pin: offload limits are checked with clear messages."""
-    with pytest.raises(ValueError, match=r"num_gpu_blocks must be >= 2, got 1"):
-        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=1)
-    with pytest.raises(RuntimeError, match=r"host KV cache of 1 blocks.*max_model_len=512"):
-        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True,
-                  num_cpu_kvcache_blocks=1)
+def test_pin_offload_one_slot_and_tiny_tiers(qwen3_dir):
+    """pin: host-tier limits are checked with clear messages."""
+    with pytest.raises(ValueError, match=r"num_ring_slots must be >= 2, got 1"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_ring_slots=1)
+    with pytest.raises(RuntimeError, match=r"1 GPU \+ 0 host blocks x 256 = 256 tokens.*max_model_len=512"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_kvcache_blocks=1,
+                  num_cpu_kvcache_blocks=-1, cpu_memory_utilization=1e-12)
+    with pytest.raises(RuntimeError, match=r"the GPU tier has 1 blocks; with a host tier it needs at least 2"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_kvcache_blocks=1,
+                  num_cpu_kvcache_blocks=4)
 
 
 # ---- checkpoints that do not match their config ----------------------------------------------

@@ -14,9 +14,9 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
 :func:`nanovllm.fetch.fetch_model`)::
 
     python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
-        --enable-offload --block-size 1024 --num-gpu-blocks 2 --sparse-policy FULL
+        --enable-offload --block-size 1024 --num-ring-slots 2 --sparse-policy FULL
     python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
-        --enable-offload --block-size 1024 --num-gpu-blocks 2 --sparse-policy XATTN_BSA --sparse-threshold 0.9
+        --enable-offload --block-size 1024 --num-ring-slots 2 --sparse-policy XATTN_BSA --sparse-threshold 0.9
     python tests/test_ruler.py --model DIR --device cuda --dtype bfloat16 --tasks vt,cwe ...
 
 It prints a per-task table (task, samples, mean score, seconds), the overall mean (the mean
@@ -143,8 +143,8 @@ class RulerReport:
     def summary(self) -> str:
         o = self.offload
         offload = ("off" if o is None else
-                   f"on: {o['block_size']}-token blocks, {o['num_gpu_blocks']} ring slots, "
-                   f"{o['num_cpu_blocks']} CPU blocks, policy {o['sparse_policy']}")
+                   f"on: {o['block_size']}-token blocks, {o['num_ring_slots']} ring slots, "
+                   f"{o['gpu_blocks']} GPU + {o['host_blocks']} host blocks, policy {o['sparse_policy']}")
         head = [f"model:       {self.model} ({self.device}, {self.dtype})",
                 f"input len:   {self.input_len} tokens per prompt",
                 f"offload:     {offload}",
@@ -411,7 +411,7 @@ def test_cli_argument_errors(capsys):
         (["--tasks", "vt,nope"], "unknown task 'nope'"),
         (["--num-samples", "0"], "num-samples must be an integer >= 1"),
         (["--input-len", "0"], "input-len must be an integer >= 1"),
-        (["--enable-offload", "--num-gpu-blocks", "1"], "num-gpu-blocks must be >= 2"),
+        (["--enable-offload", "--num-ring-slots", "1"], "num-ring-slots must be >= 2"),
         (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
         (["--sparse-threshold", "-0.5"], "sparse-threshold must be in [0, 1]"),
@@ -431,7 +431,7 @@ def test_cli_end_to_end_small(tmp_path, capsys):
     out = tmp_path / "ruler.json"
     code = main(["--tasks", "niah_single", "--num-samples", "1", "--input-len", "1000",
                  "--max-new-tokens", "24", "--enable-offload", "--block-size", "1024",
-                 "--num-gpu-blocks", "2", "--sparse-policy", "FULL", "--device", "cpu",
+                 "--num-ring-slots", "2", "--sparse-policy", "FULL", "--device", "cpu",
                  "--dtype", "float32", "--enforce-eager", "--json-output", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -442,7 +442,7 @@ def test_cli_end_to_end_small(tmp_path, capsys):
     (task,) = data["tasks"]
     assert task["task"] == "niah_single_numbers" and task["num_samples"] == 1
     assert 0.0 <= task["mean_score"] <= 1.0 and 0.0 <= data["overall_mean_score"] <= 1.0
-    assert data["offload"]["num_gpu_blocks"] == 2 and data["input_len"] == 1000
+    assert data["offload"]["num_ring_slots"] == 2 and data["input_len"] == 1000
     assert data["sparse_stats"]["policy"] == "FULL" and data["sparse_stats"]["prefill"]["density"] == 1.0
     assert 1 <= task["generated_tokens"][0] <= 24
 

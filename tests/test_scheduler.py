@@ -56,7 +56,7 @@ def test_preemption_under_a_tiny_kv_pool(llama3_dir, reference_llm, monkeypatch)
         preempted = count_preemptions(llm, monkeypatch)
         out = llm.generate(prompts, params, use_tqdm=False)
         bm = llm.scheduler.block_manager
-        assert bm.num_free_blocks == 5 and all(b.ref_count == 0 for b in bm.blocks)
+        assert bm.num_free_blocks == 5 and all(b.ref_count == 0 for b in bm.gpu.blocks)
         assert llm.is_finished()
     assert preempted, "the KV pool of 5 blocks should have forced at least one preemption"
     assert [len(o["token_ids"]) for o in out] == [m for _, m in PREEMPT_CASES]
@@ -165,7 +165,7 @@ def test_sequence_pickles_as_its_step_for_workers():
     from nanovllm.engine.sequence import Sequence
 
     seq = Sequence(list(range(10, 1010)), SamplingParams(temperature=0.5), 256)
-    seq.block_table, seq.num_cached_tokens, seq.decode_row = [7, 3, 9, 4], 256, 2
+    seq.block_table, seq.host_block_table, seq.num_cached_tokens = [7, -1, 9, 4], [-1, 5, -1, -1], 256
     seq.num_computed_tokens, seq.num_scheduled_tokens = 999, 1
     view = pickle.loads(pickle.dumps(seq))
     assert len(view) == 1000 and view.last_token == 1009 and view.token_ids[999:1000] == [1009]

@@ -15,7 +15,6 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import (check_same_calls, new_shm_name, rendezvous_store, torchrun_rank,
                                        wait_for_workers)
 from nanovllm.kvcache.block_manager import BlockManager
-from nanovllm.kvcache.hybrid_manager import HybridKVManager
 from nanovllm.sampling_params import SamplingParams, is_integer
 
 logger = logging.getLogger(__name__)
@@ -88,11 +87,8 @@ class LLMEngine:
                                    f"{proc.exitcode}; shut this engine down and create a new LLM")
 
     def _make_scheduler(self) -> Scheduler:
-        runner, cfg = self.model_runner, self.config
-        if cfg.enable_cpu_offload:
-            manager = HybridKVManager(runner.num_kv_blocks, cfg.kvcache_block_size, runner.num_decode_rows)
-            return Scheduler(cfg, manager, max_num_seqs=runner.num_decode_rows)
-        return Scheduler(cfg, BlockManager(runner.num_kv_blocks, cfg.kvcache_block_size))
+        sizes = self.model_runner.tier_sizes
+        return Scheduler(self.config, BlockManager(sizes.gpu_blocks, self.config.kvcache_block_size, sizes.host_blocks))
 
     # ---- requests ----------------------------------------------------------------------
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
@@ -119,7 +115,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        capacity = self.model_runner.num_kv_blocks * cfg.kvcache_block_size
+        capacity = sum(self.model_runner.tier_sizes) * cfg.kvcache_block_size
         if len(ids) > capacity:
             raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {capacity}")
 
@@ -166,7 +162,7 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        tokens = self.model_runner.run(seqs, is_prefill, self._generators)
+        tokens = self.model_runner.run(seqs, is_prefill, self._generators, self.scheduler.take_spills())
         finished = self.scheduler.postprocess(seqs, tokens)
         for seq in finished:
             self._generators.pop(seq.seq_id, None)
@@ -224,38 +220,57 @@ class LLMEngine:
             for seq in finished:
                 results[seq.seq_id] = {
                     "text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-                    "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+                    "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                    "num_cached_tokens": seq.num_cached_tokens}
                 bar.update(1)
         bar.close()
         return results
 
-    # ---- sparse-attention statistics ---------------------------------------------------
+    # ---- statistics --------------------------------------------------------------------
+    def get_kv_cache_stats(self) -> dict:
+        """The KV cache's tiers as plain ints::
+
+            {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used",
+             "spilled_blocks", "loaded_blocks", "prefix_cache_hit_tokens", "preemptions"}
+
+        ``*_used``: blocks held by live sequences (free blocks that still hold a cached prefix
+        are not used). ``spilled_blocks``: blocks moved from the GPU tier to the host tier since
+        the engine started; ``loaded_blocks``: host-to-GPU reads since then, in blocks of every
+        layer (keys and values); ``prefix_cache_hit_tokens``: prompt tokens found in the prefix
+        cache (either tier); ``preemptions``: sequences preempted (recomputed later) because
+        both tiers were full. Blocks are ``kvcache_block_size`` tokens. With
+        ``tensor_parallel_size > 1``, ``loaded_blocks`` is rank 0's (every rank reads its shard).
+        """
+        self._check_open()
+        return {**self.scheduler.block_manager.usage(), "loaded_blocks": self.model_runner.cache.loaded_blocks(),
+                "preemptions": self.scheduler.num_preemptions}
+
     def get_sparse_stats(self) -> dict:
         """Densities of the sparse policy since the engine started or the last
         :meth:`reset_sparse_stats`, as plain Python numbers::
 
             {"policy": "XATTN_BSA",
              "prefill": {"density", "comm_density", "kept_blocks", "visible_blocks",
-                         "loaded_cpu_blocks", "available_cpu_blocks", "estimate_k_loads",
+                         "loaded_host_blocks", "available_host_blocks",
                          "per_layer": [{"layer", "density", "comm_density"}, ...]},
-             "decode": {"comm_density", "loaded_cpu_blocks", "available_cpu_blocks",
+             "decode": {"comm_density", "loaded_host_blocks", "available_host_blocks",
                         "per_layer": [{"layer", "comm_density"}, ...]}}
 
         ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens) over
         heads and query blocks; 1.0 for policies whose prefill is dense (FULL, QUEST).
-        ``comm_density``: CPU blocks loaded with keys and values / CPU blocks available (offload
-        mode; None in GPU-only mode or before any CPU block was available). XAttention's offload
-        estimation also loads every available block's keys twice (``estimate_k_loads``).
+        ``comm_density``: host-tier blocks read (keys and values) / host-tier blocks the
+        attention could read, per layer (None where the batch had no host blocks).
         Reading syncs with the device once per layer; counting never does. With
         ``tensor_parallel_size > 1`` these are rank 0's counts (its share of the heads).
         """
         self._check_open()
-        return {"policy": self.config.sparse_policy.value, **self.model_runner.policy.sparse_stats()}
+        cache = self.model_runner.cache
+        return {"policy": self.config.sparse_policy.value, **cache.stats.to_dict(cache.policy.dense_prefill)}
 
     def reset_sparse_stats(self) -> None:
         """Zero the counts behind :meth:`get_sparse_stats`."""
         self._check_open()
-        self.model_runner.policy.stats.reset()
+        self.model_runner.cache.stats.reset()
 
     def shutdown(self):
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage

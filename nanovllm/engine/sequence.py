@@ -43,7 +43,8 @@ def _token_window(length: int, start: int, tokens: list[int]) -> _TokenWindow:
 
 
 class Sequence:
-    """One request: prompt + generated token ids, its block table and its KV progress.
+    """One request: prompt + generated token ids, its block tables (one per KV tier) and its KV
+    progress.
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix-cache hits
     included); prefill advances it chunk by chunk, decode by one per step.
@@ -59,20 +60,19 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.block_size = block_size
         self.sampling_params = sampling_params
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # GPU-tier block of each logical block, -1 when on the host
+        self.host_block_table: list[int] = []  # host-tier block of each logical block, -1 when on the GPU
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.finish_reason: str | None = None
-        self.num_prefill_tokens = 0  # offload mode: prefill length recorded at admission
-        self.decode_row = -1  # offload mode: the sequence's decode-buffer row
 
     def __len__(self):
         return len(self.token_ids)
 
     # What a spawned tensor-parallel worker reads to build a step's inputs; it never samples.
-    _WORKER_FIELDS = ("seq_id", "num_prompt_tokens", "block_size", "block_table", "num_cached_tokens",
-                      "num_computed_tokens", "num_scheduled_tokens", "num_prefill_tokens", "decode_row")
+    _WORKER_FIELDS = ("seq_id", "num_prompt_tokens", "block_size", "block_table", "host_block_table",
+                      "num_cached_tokens", "num_computed_tokens", "num_scheduled_tokens")
 
     def __getstate__(self):
         """Pickled for the spawned TP workers each step, on the step's critical path: only this
@@ -120,7 +120,7 @@ class Sequence:
     def reset_for_recompute(self):
         """Forget all KV progress (preemption by recomputation)."""
         self.status = SequenceStatus.WAITING
-        self.block_table = []
+        self.block_table, self.host_block_table = [], []
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0

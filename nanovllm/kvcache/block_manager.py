@@ -1,17 +1,38 @@
-"""Paged KV block allocation with prefix caching (GPU-only mode).
+"""KV block allocation over two tiers, with prefix caching across both.
 
-Blocks hold ``block_size`` tokens. A full block whose KV has been computed is registered under
-``hash = xxh64(parent_hash, token_ids)``; a later prompt with the same prefix reuses it after
-its token ids are compared (a hash collision never reuses a wrong block). Freed blocks keep
-their hash and are reused last (least recently freed first), so the cache survives as long as
-memory allows.
+A sequence's KV is a list of logical blocks of ``block_size`` tokens. Each lives in exactly one
+tier: the GPU tier (``seq.block_table[i]``, a block of the paged device cache) or the host tier
+(``seq.host_block_table[i]``, a block of the pinned host cache); the other table holds -1 there.
+With no host blocks this is nano-vLLM's paged block manager.
+
+- **Admission** (:meth:`BlockManager.can_allocate`, :meth:`BlockManager.allocate`): cached prefix
+  blocks are shared, in whichever tier they are; the rest of the prompt is *reserved* (counted
+  against the free blocks of both tiers) and placed when it is written.
+- **Writing** (:meth:`BlockManager.ensure_writable`): the blocks new tokens go to are GPU-tier
+  blocks. When the GPU tier has none free, the placement rule (``placement.py``) names the coldest
+  full block of a live sequence, which moves to a host block: the move is queued
+  (:meth:`BlockManager.take_spills`) and the model runner copies it before the step's forward.
+  Only when neither tier can give a block does :meth:`ensure_writable` fail (the scheduler then
+  preempts). With a host tier, a live sequence holds its first block and the block it writes on
+  the GPU, so at most ``gpu_blocks // 2`` sequences are live at once.
+- **Prefix caching**: a full block whose KV is computed is registered under
+  ``hash = xxh64(parent_hash, token_ids)`` in an index shared by the tiers; its content gets an id
+  chained to its parent's, so a hit checks token ids and the chain (a hash collision is a miss).
+  Registrations move with spilled blocks and survive while blocks are free, until their memory is
+  reused; free blocks without a registration are reused first, registered ones least recently
+  freed first.
 """
+import itertools
+import sys
 from collections import OrderedDict
 
 import numpy as np
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache.placement import ColdestFirst
+
+NO_BLOCK = -1
 
 
 def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
@@ -24,119 +45,233 @@ def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent")
+    """One physical block of a tier, with the identity of the content it holds."""
 
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1
-        self.token_ids: list[int] = []
-        self.version = 0  # bumped each time the block is reused for other content
-        self.parent: tuple[int, int] | None = None  # (block_id, version) of the previous block
+    __slots__ = ("block_id", "tier", "ref_count", "hash", "token_ids", "content_id", "parent")
+
+    def __init__(self, block_id: int, tier: str):
+        self.block_id, self.tier, self.ref_count = block_id, tier, 0
+        self.clear()
+
+    def clear(self):
+        """Forget the content (hash -1: not registered)."""
+        self.hash, self.token_ids, self.content_id, self.parent = -1, [], -1, -1
+
+    def take_content(self, other: "Block"):
+        self.hash, self.token_ids, self.content_id, self.parent = other.hash, other.token_ids, other.content_id, other.parent
+
+
+class BlockPool:
+    """One tier's blocks: reference counts and the free list (unregistered blocks first, then
+    registered ones least recently freed first). ``index`` is the hash index shared by the tiers."""
+
+    def __init__(self, tier: str, num_blocks: int, index: dict[int, Block]):
+        self.tier = tier
+        self.blocks = [Block(i, tier) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.index = index
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self) -> Block:
+        """A free block for new content (dropping the registration of what it held)."""
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        self.forget(block)
+        block.ref_count = 1
+        return block
+
+    def forget(self, block: Block):
+        if block.hash != -1 and self.index.get(block.hash) is block:
+            del self.index[block.hash]
+        block.clear()
+
+    def acquire(self, block: Block):
+        """One more reference to ``block`` (a prefix-cache hit)."""
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> bool:
+        """One reference less; True when the block became free."""
+        block.ref_count -= 1
+        if block.ref_count:
+            return False
+        self.free[block.block_id] = None
+        if block.hash == -1:
+            self.free.move_to_end(block.block_id, last=False)
+        return True
 
 
 class BlockManager:
-    """Allocates blocks to sequences, shares cached prefix blocks, counts references.
+    """Args: num_gpu_blocks; block_size (tokens per block); num_host_blocks (0: no host tier);
+    placement (the spill rule, default :class:`ColdestFirst`)."""
 
-    Args:
-        num_blocks: blocks in the KV cache pool.
-        block_size: tokens per block.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0, placement=None):
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.hash_to_block_id: dict[int, int] = {}
-        # Free blocks in reuse order: uncached first, then cached ones least recently freed first.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.index: dict[int, Block] = {}
+        self.gpu = BlockPool("gpu", num_gpu_blocks, self.index)
+        self.host = BlockPool("host", num_host_blocks, self.index)
+        self.placement = placement or ColdestFirst()
+        self.max_live_seqs = num_gpu_blocks // 2 if num_host_blocks else sys.maxsize
+        self._live: dict[int, Sequence] = {}
+        self._reserved: dict[int, int] = {}  # seq_id -> blocks promised at admission, not yet placed
+        self._committed: dict[int, tuple[int, int, int]] = {}  # seq_id -> (blocks, last hash, last content id)
+        self._spills: list[tuple[int, int]] = []
+        self._content_ids = itertools.count()
+        self.num_spilled_blocks = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks of both tiers that are free and not reserved by an admitted sequence."""
+        return self.gpu.num_free + self.host.num_free - sum(self._reserved.values())
 
-    def _take_free_block(self) -> Block:
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-        block.hash, block.token_ids, block.ref_count = -1, [], 1
-        block.version += 1
-        block.parent = None
-        return block
+    def is_live(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._live
 
-    def _cached_block(self, token_ids: list[int], h: int, parent) -> Block | None:
-        block_id = self.hash_to_block_id.get(h)
-        if block_id is None:
-            return None
-        block = self.blocks[block_id]
-        if block.token_ids != token_ids or block.parent != parent:
-            return None
-        return block
+    def _pool(self, tier: str) -> BlockPool:
+        return self.gpu if tier == "gpu" else self.host
 
-    def _num_prefix_hits(self, seq: Sequence) -> list[Block]:
-        hits, h, parent = [], -1, None
+    def _block(self, seq: Sequence, i: int) -> Block:
+        gpu_id = seq.block_table[i]
+        return self.gpu.blocks[gpu_id] if gpu_id != NO_BLOCK else self.host.blocks[seq.host_block_table[i]]
+
+    @staticmethod
+    def _append(seq: Sequence, block: Block):
+        on_gpu = block.tier == "gpu"
+        seq.block_table.append(block.block_id if on_gpu else NO_BLOCK)
+        seq.host_block_table.append(NO_BLOCK if on_gpu else block.block_id)
+
+    # ---- admission ---------------------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        hits, h, parent = [], -1, -1
         for i in range(len(seq) // self.block_size):
             token_ids = seq.block(i)
             h = compute_block_hash(token_ids, h)
-            block = self._cached_block(token_ids, h, parent)
-            if block is None:
+            block = self.index.get(h)
+            if block is None or block.token_ids != token_ids or block.parent != parent:
                 break
             hits.append(block)
-            parent = (block.block_id, block.version)
+            parent = block.content_id
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._num_prefix_hits(seq)
-        reusable_free = sum(1 for b in hits if b.ref_count == 0)
-        return seq.num_blocks - len(hits) + reusable_free <= self.num_free_blocks
+        """Whether ``seq`` can be admitted: a live-sequence slot, and room in both tiers for the
+        blocks of its current length that the prefix cache does not hold."""
+        if len(self._live) >= self.max_live_seqs:
+            return False
+        hits = self._prefix_hits(seq)
+        reused_free = sum(1 for b in hits if b.ref_count == 0)
+        return seq.num_blocks - len(hits) + reused_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence):
-        """Give ``seq`` a block table for its whole current length, reusing cached prefix blocks.
+        """Admit ``seq``: share its cached prefix blocks and reserve the rest.
 
         Sets ``seq.num_cached_tokens`` / ``num_computed_tokens`` to the tokens found in the cache;
         when the whole sequence is cached, its last token is still recomputed (to get logits).
         """
-        assert not seq.block_table
-        hits = self._num_prefix_hits(seq)
-        for block in hits:
-            if block.ref_count == 0:
-                del self.free_block_ids[block.block_id]
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
-        for _ in range(seq.num_blocks - len(hits)):
-            seq.block_table.append(self._take_free_block().block_id)
+        assert seq.seq_id not in self._live and not seq.block_table
+        hits = self._prefix_hits(seq)
+        for i, block in enumerate(hits):
+            self._pool(block.tier).acquire(block)
+            self._append(seq, block)
+            if block.tier == "gpu" and i > 0:
+                self.placement.add(block.block_id, i)
+        last = hits[-1] if hits else None
+        self._committed[seq.seq_id] = (len(hits), last.hash if last else -1, last.content_id if last else -1)
+        self._reserved[seq.seq_id] = seq.num_blocks - len(hits)
+        self._live[seq.seq_id] = seq
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = min(seq.num_cached_tokens, len(seq) - 1)
+        self.num_hit_tokens += seq.num_cached_tokens
 
+    # ---- writing -----------------------------------------------------------------------
+    def ensure_writable(self, seq: Sequence, num_tokens: int) -> int:
+        """Give the next ``num_tokens`` tokens of ``seq`` (from ``num_computed_tokens``) GPU-tier
+        blocks, spilling cold blocks to the host tier as needed; returns how many of them got
+        one (fewer when the tiers run out; 0 for a decode step means: preempt)."""
+        start = seq.num_computed_tokens
+        needed = -(-(start + num_tokens) // self.block_size)
+        while len(seq.block_table) < needed and self._place_new_block(seq):
+            pass
+        return max(0, min(num_tokens, len(seq.block_table) * self.block_size - start))
+
+    def _place_new_block(self, seq: Sequence) -> bool:
+        reserved = self._reserved.get(seq.seq_id, 0)
+        if not reserved and self.num_free_blocks < 1:
+            return False
+        if self.gpu.num_free == 0 and not self._spill_coldest():
+            return False
+        self._append(seq, self.gpu.take())
+        if reserved:
+            self._reserved[seq.seq_id] = reserved - 1
+        return True
+
+    def _spill_coldest(self) -> bool:
+        victim = self.placement.victim() if self.host.num_free else None
+        if victim is None:
+            return False
+        gpu_id, index = victim
+        src, dst = self.gpu.blocks[gpu_id], self.host.take()
+        dst.take_content(src)
+        dst.ref_count = src.ref_count
+        if src.hash != -1 and self.index.get(src.hash) is src:
+            self.index[src.hash] = dst
+        for seq in self._live.values():  # every sequence sharing the block reads it from the host now
+            if index < len(seq.block_table) and seq.block_table[index] == gpu_id:
+                seq.block_table[index], seq.host_block_table[index] = NO_BLOCK, dst.block_id
+        src.clear()
+        src.ref_count = 1
+        self.gpu.release(src)
+        self.placement.remove(gpu_id)
+        self._spills.append((gpu_id, dst.block_id))
+        self.num_spilled_blocks += 1
+        return True
+
+    def take_spills(self) -> list[tuple[int, int]]:
+        """The ``(gpu block, host block)`` moves decided since the last call, in order; the
+        model runner copies them before the next forward."""
+        spills, self._spills = self._spills, []
+        return spills
+
+    # ---- release and registration ------------------------------------------------------
     def deallocate(self, seq: Sequence):
-        """Drop ``seq``'s references; blocks at zero references become free (keeping their hash)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash == -1:
-                    self.free_block_ids.move_to_end(block_id, last=False)
-        seq.block_table = []
+        """Drop ``seq``'s references and reservation; blocks at zero references become free
+        (keeping their registration)."""
+        for i in reversed(range(len(seq.block_table))):
+            block = self._block(seq, i)
+            if self._pool(block.tier).release(block) and block.tier == "gpu":
+                self.placement.remove(block.block_id)
+        seq.block_table, seq.host_block_table = [], []
+        for table in (self._live, self._reserved, self._committed):
+            table.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence):
-        """Register every full block whose KV is now computed, so later prompts can reuse it."""
+        """Register every full block whose KV is now computed (so later prompts can reuse it);
+        full GPU blocks other than the first become spill candidates."""
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
-        parent, parent_key = -1, None
-        for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
+        done, parent_hash, parent_id = self._committed[seq.seq_id]
+        for i in range(done, num_full):
+            block = self._block(seq, i)
             if block.hash == -1:
                 block.token_ids = seq.block(i)
-                block.hash = compute_block_hash(block.token_ids, parent)
-                block.parent = parent_key
-                self.hash_to_block_id.setdefault(block.hash, block.block_id)
-            parent, parent_key = block.hash, (block.block_id, block.version)
+                block.hash = compute_block_hash(block.token_ids, parent_hash)
+                block.content_id, block.parent = next(self._content_ids), parent_id
+                self.index.setdefault(block.hash, block)
+            if block.tier == "gpu" and i > 0:
+                self.placement.add(block.block_id, i)
+            parent_hash, parent_id = block.hash, block.content_id
+        self._committed[seq.seq_id] = (max(done, num_full), parent_hash, parent_id)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether ``seq`` can grow by one token (a new block is needed every block_size tokens)."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks >= 1
-
-    def may_append(self, seq: Sequence):
-        """Add a block to ``seq``'s table when its newest token starts a new block."""
-        if len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_free_block().block_id)
+    def usage(self) -> dict:
+        """Block counts of both tiers (used = held by live sequences) and the cumulative
+        spills and prefix-cache hits, as plain ints."""
+        return {"gpu_blocks": self.gpu.num_blocks, "gpu_blocks_used": self.gpu.num_blocks - self.gpu.num_free,
+                "host_blocks": self.host.num_blocks, "host_blocks_used": self.host.num_blocks - self.host.num_free,
+                "spilled_blocks": self.num_spilled_blocks, "prefix_cache_hit_tokens": self.num_hit_tokens}

@@ -39,8 +39,19 @@ def _check_lengths(num_tokens: int, seqlens_q: list[int], seqlens_k: list[int]) 
             raise ValueError(f"sequence {i}: need 0 <= seqlens_q={len_q} <= seqlens_k={len_k}")
 
 
-def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables) -> None:
-    prefixed = [(len_k - len_q, len_k) for len_q, len_k in zip(seqlens_q, seqlens_k) if len_k > len_q]
+def _check_prefixes(k, seqlens_q, seqlens_k, prefixes) -> None:
+    for i, (k_pre, v_pre) in prefixes.items():
+        if not 0 <= i < len(seqlens_q):
+            raise ValueError(f"prefixes has sequence {i}, outside 0..{len(seqlens_q) - 1}")
+        shape = (seqlens_k[i] - seqlens_q[i], *k.shape[1:])
+        if tuple(k_pre.shape) != shape or tuple(v_pre.shape) != shape:
+            raise ValueError(f"prefixes[{i}] must be two tensors of shape {shape}; got {tuple(k_pre.shape)} and "
+                             f"{tuple(v_pre.shape)}")
+
+
+def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes) -> None:
+    prefixed = [(len_k - len_q, len_k) for i, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k))
+                if len_k > len_q and i not in prefixes]
     if not prefixed:
         return
     if k_cache is None or v_cache is None or block_tables is None:
@@ -63,10 +74,11 @@ def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables) -> Non
         )
 
 
-def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables) -> None:
+def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes) -> None:
     _check_packed(q, k, v)
     _check_lengths(q.shape[0], seqlens_q, seqlens_k)
-    _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables)
+    _check_prefixes(k, seqlens_q, seqlens_k, prefixes)
+    _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
 
 
 def _sequences(seqlens_q: list[int], seqlens_k: list[int]):
@@ -84,21 +96,29 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _packed_context(k, cache, seqs, seqlens_k, block_tables) -> torch.Tensor:
-    """Keys (or values) of all sequences packed: the new rows, or for a sequence with a prefix its
-    whole context from the cache, where store_kvcache already put the new tokens."""
+def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, dtype) -> torch.Tensor:
+    """The first ``num_tokens`` keys (which=0) or values (1) of sequence i: given in
+    ``prefixes``, or gathered from the paged cache."""
+    if i in prefixes:
+        return prefixes[i][which].to(dtype)
+    return gather_kvcache(cache, block_tables[i], num_tokens).to(dtype)
+
+
+def _packed_context(which, k, cache, seqs, block_tables, prefixes) -> torch.Tensor:
+    """Keys (or values) of all sequences packed: the new rows, preceded for a sequence with a
+    prefix by that prefix."""
     if not any(prefix for _, _, prefix in seqs):
         return k
-    return torch.cat([gather_kvcache(cache, block_tables[i], seqlens_k[i]).to(k.dtype) if prefix else k[rows]
-                      for i, rows, prefix in seqs])
+    return torch.cat([torch.cat([_prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype), k[rows]])
+                      if prefix else k[rows] for i, rows, prefix in seqs])
 
 
-def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables):
+def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
     """All sequences in one launch of torch's varlen FlashAttention-2 (GQA native, causal mask
     bottom-right aligned per sequence)."""
     seqs = list(_sequences(seqlens_q, seqlens_k))
-    keys = _packed_context(k, k_cache, seqs, seqlens_k, block_tables)
-    values = _packed_context(v, v_cache, seqs, seqlens_k, block_tables)
+    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes)
+    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes)
     lens_q = [seqlens_q[i] for i, _, _ in seqs]
     lens_k = [seqlens_k[i] for i, _, _ in seqs]
     return torch.ops.aten._flash_attention_forward(
@@ -107,15 +127,15 @@ def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, bloc
     )[0]
 
 
-def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables):
+def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
     """Per sequence: causal over its new rows, non-causal over its gathered prefix, LSE merge."""
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         q_i = q[None, rows]
         o, lse = flash_attn_with_lse(q_i, k[None, rows], v[None, rows], scale, True)
         if prefix:
-            k_pre = gather_kvcache(k_cache, block_tables[i], prefix).to(k.dtype)
-            v_pre = gather_kvcache(v_cache, block_tables[i], prefix).to(v.dtype)
+            k_pre = _prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype)
+            v_pre = _prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype)
             o_pre, lse_pre = flash_attn_with_lse(q_i, k_pre[None], v_pre[None], scale, False)
             o = merge_attention_outputs(o, lse, o_pre, lse_pre)[0]
         out[rows] = o[0]
@@ -142,16 +162,18 @@ def prefill_attention_ref(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
+    prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`prefill_attention`: per sequence, one fp32 causal softmax over
-    [cached prefix, new rows] (same arguments and result)."""
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables)
+    [prefix, new rows] (same arguments and result)."""
+    prefixes = prefixes or {}
+    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
         if prefix:
-            keys = torch.cat([gather_kvcache(k_cache, block_tables[i], prefix).to(k.dtype), keys])
-            values = torch.cat([gather_kvcache(v_cache, block_tables[i], prefix).to(v.dtype), values])
+            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype), keys])
+            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype), values])
         out[rows] = flash_attn_with_lse_ref(q[None, rows], keys[None], values[None], scale, True)[0][0]
     return out
 
@@ -166,6 +188,7 @@ def prefill_attention(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
+    prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Packed variable-length causal prefill attention.
 
@@ -180,15 +203,19 @@ def prefill_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; needed only when a prefix exists.
         block_tables: int32 ``[>= num_seqs, max_blocks]`` block ids, covering the whole context
-            of each sequence that has a prefix.
+            of each sequence that has a prefix (except those in ``prefixes``).
+        prefixes: ``{i: (k_prefix, v_prefix)}``, each ``[seqlens_k[i] - seqlens_q[i], Hkv, D]``:
+            the prefix of sequence i, already gathered (e.g. from two KV tiers), instead of the
+            cache's.
 
     Returns:
         ``[Nq, Hq, D]`` in q.dtype; query j of sequence i sits at position
         ``seqlens_k[i] - seqlens_q[i] + j`` and sees keys up to it (causal).
 
     Raises:
-        ValueError: inconsistent shapes or lengths, a prefix without cache/block tables, or a
-            block table too short for a prefixed context (messages give the value and the limit).
+        ValueError: inconsistent shapes or lengths, a prefix without cache/block tables, a
+            block table too short for a prefixed context, or a given prefix of the wrong shape
+            (messages give the value and the limit).
 
     CUDA, several sequences of at most 1024 new tokens on average in fp16/bf16: one varlen
     FlashAttention-2 launch (``torch.ops.aten._flash_attention_forward``, GQA native, bottom-right
@@ -200,8 +227,9 @@ def prefill_attention(
     CPU: the per-sequence path over torch's fused CPU attention (:func:`prefill_attention_ref`
     is the plain-math reference).
     """
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables)
-    args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables)
+    prefixes = prefixes or {}
+    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
+    args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes)
     if _use_varlen(q, seqlens_q):
         try:
             return _prefill_varlen(*args)

@@ -1,4 +1,5 @@
-"""Per-forward attention metadata, set by the model runner and read by attention layers.
+"""Per-forward attention metadata, set by the KV cache before each forward and read by the
+attention layers.
 
 The model's forward signature stays ``(input_ids, positions)`` as in HF and nano-vLLM; what the
 attention layers need about the batch travels here, set before and cleared after each forward.
@@ -9,25 +10,34 @@ import torch
 
 
 @dataclass
-class OffloadBatch:
-    """Offload-mode layout of one step, per sequence (see ``kvcache/hybrid_manager.py``).
+class PrefixGather:
+    """Where the first ``num_tokens`` keys and values of a prefill sequence with host-tier blocks
+    live (built once per step, read by every layer).
 
     Attributes:
-        cpu_blocks: CPU blocks holding each sequence's earlier KV (position order).
-        block_lens: valid tokens in each of those blocks.
-        chunk_blocks: prefill only, the CPU block each sequence's current chunk goes to.
-        decode_rows, decode_lens: decode only, each sequence's decode-buffer row and the tokens
-            in it including the current one; ``rows`` / ``offsets`` are the same as int64
-            device tensors for the batched store.
+        num_tokens: prefix tokens (the sequence's context before this step's chunk).
+        gpu_index, gpu_ids: int64 ``[r]`` device tensors: the logical indices of the prefix blocks
+            in the GPU tier, and those blocks.
+        host: ``(logical index, host block)`` of the prefix blocks in the host tier.
     """
 
-    cpu_blocks: list[list[int]]
-    block_lens: list[list[int]]
-    chunk_blocks: list[int] = field(default_factory=list)
-    decode_rows: list[int] = field(default_factory=list)
-    decode_lens: list[int] = field(default_factory=list)
-    rows: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
+    num_tokens: int
+    gpu_index: torch.Tensor
+    gpu_ids: torch.Tensor
+    host: list[tuple[int, int]]
+
+
+@dataclass
+class DecodeSelection:
+    """A decode batch whose sparse policy chooses blocks per layer (see ``nanovllm.sparse``).
+
+    Attributes:
+        blocks: the choosing sequences' blocks (``nanovllm.sparse.DecodeBlocks``).
+        tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``.
+    """
+
+    blocks: object
+    tables: list[tuple[list[int], list[int], int]]
 
 
 @dataclass
@@ -38,11 +48,15 @@ class Context:
         is_prefill: prefill (packed variable-length queries) or decode (one query per sequence).
         seqlens_q: prefill only, new tokens per sequence (host list, no device sync).
         seqlens_k: prefill only, total context per sequence including cached tokens.
-        slot_mapping: int32 ``[num_tokens]`` flat cache slot of each new token, -1 = do not store.
-        context_lens: decode only, int32 ``[batch]`` tokens each sequence attends to.
-        block_tables: int32 ``[batch, max_blocks]`` (-1 padded) or None when no prefill sequence
-            reads cached KV.
-        offload: offload mode's per-sequence layout, None in GPU-only mode.
+        slot_mapping: int64 ``[num_tokens]`` flat GPU-tier slot of each new token, -1 = do not
+            store; None when the forward must not touch the cache (warm-up, scoring).
+        context_lens: decode only, int32 ``[batch]`` tokens each sequence reads in the GPU tier.
+        block_tables: int32 ``[batch, max_blocks]`` GPU-tier blocks (-1 padded). Prefill: every
+            logical block (-1 where it is on the host); None when no sequence has a prefix.
+            Decode: the GPU-resident blocks only, in order.
+        prefix_gathers: prefill, by sequence index, the sequences whose prefix has host blocks.
+        host_loads: decode, ``(batch row, host block)`` that every layer reads from the host tier.
+        selection: decode, set when the sparse policy chooses blocks for some sequence.
     """
 
     is_prefill: bool = False
@@ -51,7 +65,14 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    offload: OffloadBatch | None = None
+    prefix_gathers: dict[int, PrefixGather] = field(default_factory=dict)
+    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    selection: DecodeSelection | None = None
+
+    @property
+    def paged_only(self) -> bool:
+        """Decode reads only GPU-resident blocks, every one of them (CUDA-graph safe)."""
+        return not self.host_loads and self.selection is None
 
 
 _CONTEXT = Context()

@@ -25,6 +25,12 @@ SHAPES = {
         head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Llama-3-8B with the context of gradientai/Llama-3-8B-Instruct-Gradient-1048k (its rope_theta)
+    "llama-3-8b-1m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=3580165449.0),
 }
 
 

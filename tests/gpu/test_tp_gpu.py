@@ -73,12 +73,13 @@ def test_tp2_greedy_equals_tp1(model_dir):
 
 
 def test_tp2_offload_32k_equals_tp1():
-    """Each rank offloads its KV-head shard (4 of Llama-3.1-8B's 8 KV heads) at 32K."""
+    """Each rank keeps its KV-head shard (4 of Llama-3.1-8B's 8 KV heads) in both tiers at 32K,
+    with the GPU tier forced to half of the KV."""
     model_dir = _checkpoint("llama-3.1-8b")
     prompts = _prompts(1, 32768, 32768, seed=1)
     block = 4096
     opts = dict(max_model_len=32768 + MAX_TOKENS + 1, kvcache_block_size=block, max_num_seqs=1,
-                dtype=DTYPE, enable_cpu_offload=True, num_gpu_blocks=4, num_cpu_kvcache_blocks=9)
+                dtype=DTYPE, enable_cpu_offload=True, num_ring_slots=4, num_kvcache_blocks=4, num_cpu_kvcache_blocks=9)
     tp1 = _generate(model_dir, prompts, **opts)
     tp2 = _generate(model_dir, prompts, tensor_parallel_size=2, **opts)
     report = _report("offload_32k", model_dir, prompts, tp1, tp2)

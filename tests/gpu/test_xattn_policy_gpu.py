@@ -1,21 +1,21 @@
-"""XATTN_BSA policy on the GPU (bf16, Llama-3.1-8B head shapes: 32 q / 8 kv heads, head_dim 128):
-the GPU-only prefill path against dense prefill at threshold 1.0 (packed batch with a cached
+"""XATTN_BSA prefill on the GPU (bf16, Llama-3.1-8B head shapes: 32 q / 8 kv heads, head_dim 128),
+through the attention pipeline: threshold 1.0 against dense prefill (packed batch with a cached
 prefix read through the block table, and a short sequence), the sparse path against masked
-reference attention, the offload two-pass estimation through real streams against the
-whole-sequence reference, and the engine's logits against FULL. Run on the H200:
+reference attention, a prefix with host-tier blocks (real streams) against the same prefix in
+the GPU tier, and the engine's logits against FULL. Run on the H200:
 ``python -m pytest tests/gpu/test_xattn_policy_gpu.py -q``."""
 
 import pytest
 import torch
 from _gpu_util import assert_close
 
-from nanovllm.kvcache.offload_engine import OffloadEngine
-from nanovllm.kvcache.sparse import PolicyContext, XAttentionBSAPolicy
+from nanovllm.kvcache.host_tier import HostTier
+from nanovllm.kvcache.pipeline import TieredAttention
 from nanovllm.ops import prefill_attention, prefill_attention_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention_ref
-from nanovllm.ops.xattn_estimate import xattn_block_scores_ref
 from nanovllm.ops.xattn_streamed import xattn_block_mask
-from nanovllm.utils.context import Context
+from nanovllm.sparse import SparseStats, XAttentionBSAPolicy
+from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,7 +50,8 @@ def _batch(seqs, seed=0):
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
     context = Context(is_prefill=True, seqlens_q=[n for n, _ in seqs], seqlens_k=[n + p for n, p in seqs],
-                      block_tables=block_tables)
+                      block_tables=block_tables, slot_mapping=torch.full((sum(n for n, _ in seqs),), -1,
+                                                                           dtype=torch.int64, device=DEVICE))
     q, k, v = (torch.cat(t).bfloat16() for t in (qs, ks, vs))
     return q, k, v, context, k_cache, v_cache
 
@@ -58,25 +59,33 @@ def _batch(seqs, seed=0):
 SEQS = [(8192, 0), (3000, 4096), (200, 0), (1000, 512)]
 
 
-def test_gpu_only_prefill_threshold_one_equals_dense():
+def _attend(threshold, q, k, v, context, k_cache, v_cache, host=None):
+    """One layer of the pipeline with an XATTN_BSA policy over the given tiers."""
+    attention = TieredAttention(XAttentionBSAPolicy(SCALE, threshold=threshold), SparseStats(), SCALE)
+    attention.bind(k_cache[None], v_cache[None], host)
+    set_context(context)
+    try:
+        return attention.forward(0, q, k, v), attention.stats.to_dict(False)["prefill"]
+    finally:
+        reset_context()
+
+
+def test_prefill_threshold_one_equals_dense():
     q, k, v, context, k_cache, v_cache = _batch(SEQS)
-    policy = XAttentionBSAPolicy(SCALE, threshold=1.0)
-    got = policy.paged_prefill_attention(q, k, v, context, k_cache, v_cache, layer_id=0)
+    got, stats = _attend(1.0, q, k, v, context, k_cache, v_cache)
     dense = prefill_attention(q, k, v, context.seqlens_q, context.seqlens_k, SCALE, k_cache, v_cache,
                               context.block_tables)
     truth = prefill_attention_ref(q.float(), k.float(), v.float(), context.seqlens_q, context.seqlens_k, SCALE,
                                   k_cache.float(), v_cache.float(), context.block_tables)
     for out in (got, dense):  # the block-sparse and the dense bf16 kernel, equally close to float32
         assert_close(out.float(), truth)
-    stats = policy.sparse_stats()["prefill"]
     assert stats["density"] == 1.0 and stats["kept_blocks"] == stats["visible_blocks"] > 0
 
 
-def test_gpu_only_sparse_prefill_equals_masked_reference():
+def test_sparse_prefill_equals_masked_reference():
     seqs = [(8192, 0), (3000, 4096)]
     q, k, v, context, k_cache, v_cache = _batch(seqs, seed=1)
-    policy = XAttentionBSAPolicy(SCALE, threshold=0.8)
-    got = policy.paged_prefill_attention(q, k, v, context, k_cache, v_cache, layer_id=0)
+    got, stats = _attend(0.8, q, k, v, context, k_cache, v_cache)
     start = 0
     for i, (n, prefix) in enumerate(seqs):
         rows = slice(start, start + n)
@@ -86,24 +95,31 @@ def test_gpu_only_sparse_prefill_equals_masked_reference():
         mask = xattn_block_mask(q[rows], keys, 0.8, 8, 128, SCALE, 16384)
         ref, _ = block_sparse_attention_ref(q[rows], keys, values, mask, 128, SCALE, True)
         assert_close(got[rows], ref)
-    assert policy.sparse_stats()["prefill"]["density"] < 1.0
+    assert stats["density"] < 1.0
 
 
-def test_offload_two_pass_estimation_equals_reference():
-    gen = torch.Generator(device=DEVICE).manual_seed(2)
-    block = 4096
-    engine = OffloadEngine(1, HKV, DIM, torch.bfloat16, torch.device(DEVICE), block, 4, 2, 1)
-    engine.k_cpu.copy_(torch.randn(engine.k_cpu.shape, generator=gen, device=DEVICE).bfloat16().cpu())
-    q = _qkv(block, HQ, gen).bfloat16()
-    k_chunk = _qkv(block, HKV, gen).bfloat16()
-    ctx = PolicyContext(0, cpu_blocks=[3, 0, 2], block_lens=[block] * 3, is_prefill=True, chunk_block=1)
-    policy = XAttentionBSAPolicy(SCALE, threshold=0.9)
-    scores = policy.block_scores(q, k_chunk, engine, ctx)
-    torch.cuda.synchronize()
-    keys = torch.cat([engine.k_cpu[0, b].to(DEVICE) for b in (3, 0, 2)] + [k_chunk])
-    ref = xattn_block_scores_ref(q, keys, 8, 128, SCALE)
-    assert scores.shape == ref.shape
-    assert (scores - ref).abs().max() <= 2e-3
+def test_prefix_with_host_blocks_equals_the_gpu_tier():
+    """Sequence 1's prefix pages 1 and 3 moved to the host tier (pinned, copied on the compute
+    stream after the spill event): the gathered context, so the output, is bit-identical."""
+    seqs = [(3000, 4096), (200, 0)]
+    q, k, v, context, k_cache, v_cache = _batch(seqs, seed=2)
+    want, _ = _attend(0.8, q, k, v, context, k_cache, v_cache)
+    host = HostTier(1, PAGE, HKV, DIM, torch.bfloat16, torch.device(DEVICE), 4, 2)
+    table = context.block_tables[0].tolist()
+    moved = {1: 0, 3: 2}  # logical page -> host block
+    for page, host_id in moved.items():
+        host.k_host[0, host_id].copy_(k_cache[table[page]])
+        host.v_host[0, host_id].copy_(v_cache[table[page]])
+    on_gpu = [j for j in range(4096 // PAGE) if j not in moved]
+    context.prefix_gathers = {0: PrefixGather(4096, torch.tensor(on_gpu, device=DEVICE),
+                                              torch.tensor([table[j] for j in on_gpu], device=DEVICE),
+                                              list(moved.items()))}
+    for page in moved:  # the GPU copies are gone
+        k_cache[table[page]] = float("nan")
+        v_cache[table[page]] = float("nan")
+    got, stats = _attend(0.8, q, k, v, context, k_cache, v_cache, host)
+    assert torch.equal(got, want)
+    assert stats["loaded_host_blocks"] == 2 and host.bytes_h2d == 2 * 2 * host.block_bytes
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +130,7 @@ def llama3_dir(tmp_path_factory):
                                   num_hidden_layers=4)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["gpu_only", "offload"])
+@pytest.mark.parametrize("offload", [False, True], ids=["gpu_only", "host_tier"])
 def test_engine_threshold_one_matches_full(llama3_dir, offload):
     """One 6000-token prompt: XATTN_BSA at threshold 1.0 against FULL. bf16 kernels differ (the
     block-sparse Triton kernel vs cuDNN), so the first sampled logits are compared by relative
@@ -125,7 +141,7 @@ def test_engine_threshold_one_matches_full(llama3_dir, offload):
     kwargs = dict(dtype="bfloat16", max_model_len=8192, enforce_eager=True, gpu_memory_utilization=0.5,
                   kvcache_block_size=1024)
     if offload:
-        kwargs.update(enable_cpu_offload=True, num_gpu_blocks=2, num_cpu_kvcache_blocks=8)
+        kwargs.update(enable_cpu_offload=True, num_kvcache_blocks=2, num_ring_slots=2, num_cpu_kvcache_blocks=8)
     first, top1, stats = {}, {}, {}
     for policy in ("FULL", "XATTN_BSA"):
         with LLM(llama3_dir, sparse_policy=policy, sparse_threshold=1.0, **kwargs) as llm:

@@ -1,10 +1,9 @@
-"""Sparse-attention policies: offload mode's block selection, and XAttention's block-sparse prefill
-in both modes (see policy.py for the interface)."""
-from nanovllm.kvcache.sparse.full_policy import FullAttentionPolicy
-from nanovllm.kvcache.sparse.policy import PolicyContext, SparsePolicy, SparsePolicyType
-from nanovllm.kvcache.sparse.quest_policy import QuestPolicy
-from nanovllm.kvcache.sparse.stats import SparseStats
-from nanovllm.kvcache.sparse.xattn_policy import XAttentionBSAPolicy
+"""Sparse-attention policies: which KV blocks attention reads (see policy.py for the interface)."""
+from nanovllm.sparse.full import FullAttentionPolicy
+from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy, SparsePolicyType
+from nanovllm.sparse.quest import QuestPolicy
+from nanovllm.sparse.stats import SparseStats
+from nanovllm.sparse.xattn import XAttentionBSAPolicy
 
 
 def create_policy(config, scale: float) -> SparsePolicy:
@@ -22,5 +21,5 @@ def create_policy(config, scale: float) -> SparsePolicy:
                                config.sparse_chunk_size)
 
 
-__all__ = ["FullAttentionPolicy", "PolicyContext", "QuestPolicy", "SparsePolicy", "SparsePolicyType",
+__all__ = ["DecodeBlocks", "FullAttentionPolicy", "QuestPolicy", "SparsePolicy", "SparsePolicyType",
            "SparseStats", "XAttentionBSAPolicy", "create_policy"]

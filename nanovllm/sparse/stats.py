@@ -1,19 +1,32 @@
-"""Density statistics of one sparse policy (each policy instance owns a ``SparseStats``).
+"""Density statistics of the sparse attention of one engine (the attention pipeline counts, the
+policy only chooses).
 
 - **compute density** (prefill): kept / causally visible sparse blocks (``sparse_block_size``
-  tokens, 128 by default), counted over heads and query blocks. Policies that attend to every
-  visible key (FULL, QUEST's prefill) report 1.0 without counting.
-- **communication density** (offload mode, prefill and decode): CPU blocks loaded (keys and
-  values, for attention) / CPU blocks available. XAttention's estimation also streams the keys of
-  every available block twice (``estimate_k_loads``, key-only loads; ``OffloadEngine.bytes_h2d``
-  has the bytes).
+  tokens, 128 by default), counted over heads and query blocks. Policies whose prefill attends to
+  every visible key (FULL, QUEST) report 1.0 without counting.
+- **communication density** (host tier, prefill and decode): host-tier blocks read (keys and
+  values) / host-tier blocks the attention could have read, per layer. Prefill reads every host
+  block of a sequence's context (1.0); QUEST's decode reads its selection.
 
 Counting never syncs with the device: kept-block counts accumulate as device tensors, everything
 else as Python ints; :meth:`SparseStats.to_dict` converts (one sync per layer, on request).
 """
+import functools
+
 import torch
 
+from nanovllm.ops._triton import cdiv
+
 PHASES = ("prefill", "decode")
+
+
+@functools.lru_cache(maxsize=1024)
+def causal_visible_blocks(seq_q: int, seq_k: int, block_size: int) -> int:
+    """(query block, key block) pairs of ``block_size`` tokens that some query may see when the
+    ``seq_q`` queries are the last of ``seq_k`` keys (the ``visible`` of ``block_layout``)."""
+    offset, n_k = seq_k - seq_q, cdiv(seq_k, block_size)
+    return sum(max(0, min(n_k, (offset + min((qb + 1) * block_size, seq_q) - 1) // block_size + 1))
+               for qb in range(cdiv(seq_q, block_size)))
 
 
 def _ratio(num, den) -> float | None:
@@ -21,7 +34,7 @@ def _ratio(num, den) -> float | None:
 
 
 class SparseStats:
-    """Per-layer block counters of one policy."""
+    """Per-layer block counters."""
 
     def __init__(self):
         self.reset()
@@ -32,7 +45,6 @@ class SparseStats:
         self._visible: dict[int, int] = {}
         self._loaded = {phase: {} for phase in PHASES}
         self._available = {phase: {} for phase in PHASES}
-        self._estimate_k_loads: dict[int, int] = {}
 
     def add_compute(self, layer: int, kept: torch.Tensor | int, visible: int) -> None:
         """Prefill at ``layer`` kept ``kept`` (an int or a 0-dim device tensor, not synced) of
@@ -41,14 +53,10 @@ class SparseStats:
         self._visible[layer] = self._visible.get(layer, 0) + visible
 
     def add_comm(self, layer: int, is_prefill: bool, loaded: int, available: int) -> None:
-        """``loaded`` of ``available`` CPU blocks were loaded (keys and values) at ``layer``."""
+        """``loaded`` of ``available`` host-tier blocks were read (keys and values) at ``layer``."""
         phase = PHASES[0] if is_prefill else PHASES[1]
         self._loaded[phase][layer] = self._loaded[phase].get(layer, 0) + loaded
         self._available[phase][layer] = self._available[phase].get(layer, 0) + available
-
-    def add_estimate_loads(self, layer: int, blocks: int) -> None:
-        """``blocks`` key-only CPU block loads for estimation at ``layer``."""
-        self._estimate_k_loads[layer] = self._estimate_k_loads.get(layer, 0) + blocks
 
     def to_dict(self, dense_prefill: bool) -> dict:
         """``{"prefill": {...}, "decode": {...}}`` of plain Python numbers (see
@@ -67,12 +75,11 @@ class SparseStats:
         prefill["density"] = density(kept)
         prefill["kept_blocks"] = None if dense_prefill else sum(kept.values())
         prefill["visible_blocks"] = None if dense_prefill else sum(self._visible.values())
-        prefill["estimate_k_loads"] = sum(self._estimate_k_loads.values())
         return {"prefill": prefill, "decode": self._comm("decode", sorted(self._available["decode"]))}
 
     def _comm(self, phase: str, layers: list[int]) -> dict:
         loaded, available = self._loaded[phase], self._available[phase]
         return {"comm_density": _ratio(sum(loaded.values()), sum(available.values())),
-                "loaded_cpu_blocks": sum(loaded.values()), "available_cpu_blocks": sum(available.values()),
+                "loaded_host_blocks": sum(loaded.values()), "available_host_blocks": sum(available.values()),
                 "per_layer": [{"layer": i, "comm_density": _ratio(loaded.get(i, 0), available.get(i, 0))}
                               for i in layers]}

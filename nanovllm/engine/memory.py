@@ -1,0 +1,100 @@
+"""Byte budgets: how many KV blocks each tier of the cache gets (per rank).
+
+- **GPU tier**: exactly ``num_kvcache_blocks`` when given. Otherwise on CUDA, what
+  ``gpu_memory_utilization`` of the device leaves after this process's peak use in the warm-up
+  (weights, activations of a ``max_num_batched_tokens`` prefill), the ring slots and the sparse
+  policy's per-block metadata; on CPU, what the configuration can use (``max_num_seqs`` full
+  sequences of ``max_model_len``) capped at ``CPU_KV_MEMORY_FRACTION`` of the available memory.
+- **Host tier** (``enable_cpu_offload``): exactly ``num_cpu_kvcache_blocks`` when given, else what
+  the configuration can use capped at ``cpu_memory_utilization`` of the available host memory.
+  Ranks on one host split its memory evenly.
+"""
+import os
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.config import Config
+
+CPU_KV_MEMORY_FRACTION = 0.25
+"""CPU device: largest share of the available memory the (device) KV cache may take."""
+GPU_HEADROOM = 256 << 20
+"""Bytes left free on the GPU besides the budget (CUDA context growth, allocator slack)."""
+
+
+class KVGeometry(NamedTuple):
+    """One rank's KV shape: per layer and token, ``num_kv_heads x head_dim`` keys and values."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of every layer, keys and values."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class TierSizes(NamedTuple):
+    gpu_blocks: int
+    host_blocks: int
+
+
+def host_memory_share(fraction: float, ranks_on_host: int) -> int:
+    """Bytes of this host's available memory for one rank: ``fraction`` of it, split evenly."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * fraction) // ranks_on_host
+
+
+def gpu_budget(device: torch.device, utilization: float) -> int:
+    """Bytes for KV: this process's share of the GPU minus its own peak use, never more than
+    what is free now (less a headroom)."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * utilization) - torch.cuda.max_memory_reserved(device)
+    return max(0, min(budget, free - GPU_HEADROOM))
+
+
+def wanted_blocks(config: Config) -> int:
+    """Blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
+    return config.max_num_seqs * -(-config.max_model_len // config.kvcache_block_size)
+
+
+def host_blocks(config: Config, geometry: KVGeometry, ranks_on_host: int) -> int:
+    """Host-tier blocks of this rank (0 without ``enable_cpu_offload``)."""
+    if not config.enable_cpu_offload:
+        return 0
+    if config.num_cpu_kvcache_blocks > 0:
+        return config.num_cpu_kvcache_blocks
+    share = host_memory_share(config.cpu_memory_utilization, ranks_on_host)
+    return min(share // geometry.block_bytes, wanted_blocks(config))
+
+
+def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, num_host_blocks: int,
+               reserved_bytes: int, metadata_bytes: int, ranks_on_host: int) -> int:
+    """GPU-tier blocks of this rank. ``reserved_bytes``: device memory the cache needs besides
+    its blocks (ring slots, host blocks' metadata); ``metadata_bytes``: per GPU block."""
+    if config.num_kvcache_blocks > 0:
+        return config.num_kvcache_blocks
+    if device.type == "cuda":
+        return max(0, gpu_budget(device, config.gpu_memory_utilization) - reserved_bytes) \
+            // (geometry.block_bytes + metadata_bytes)
+    share = host_memory_share(CPU_KV_MEMORY_FRACTION, ranks_on_host)
+    return min(share // geometry.block_bytes, wanted_blocks(config))
+
+
+def check_capacity(config: Config, geometry: KVGeometry, sizes: TierSizes) -> None:
+    """Raises RuntimeError (with the numbers) unless the tiers hold one ``max_model_len``
+    sequence, and with a host tier, unless the GPU tier holds a sequence's first block and the
+    block it writes."""
+    block = geometry.block_size
+    capacity = (sizes.gpu_blocks + sizes.host_blocks) * block
+    if capacity < config.max_model_len:
+        raise RuntimeError(
+            f"the KV cache holds {sizes.gpu_blocks} GPU + {sizes.host_blocks} host blocks x {block} = {capacity} "
+            f"tokens, fewer than max_model_len={config.max_model_len}: not enough memory for one sequence "
+            f"(block = {geometry.block_bytes} bytes); lower max_model_len or give more memory")
+    if sizes.host_blocks and sizes.gpu_blocks < 2:
+        raise RuntimeError(f"the GPU tier has {sizes.gpu_blocks} blocks; with a host tier it needs at least 2 "
+                           f"(a sequence's first block and the block it writes)")

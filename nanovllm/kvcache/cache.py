@@ -1,0 +1,225 @@
+"""The KV cache of one rank: the one place that knows the tiers exist.
+
+    cache = KVCache(config, attention_layers, device)   binds itself to every attention layer
+    cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
+    each step: cache.begin_step(spills) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
+
+The GPU tier is one tensor ``[2, L, num_gpu_blocks, block_size, Hkv, D]`` (keys, values) read in
+place by the paged kernels; the host tier (``host_tier.py``) holds spilled blocks in pinned memory.
+Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
+side); a step carries it here as each sequence's two block tables and the list of spills. The
+attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
+With the host tier off, every step is the GPU-only engine's: same tables, same kernels.
+"""
+import logging
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.memory import KVGeometry, TierSizes
+from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache.block_manager import NO_BLOCK
+from nanovllm.kvcache.host_tier import HostTier
+from nanovllm.kvcache.pipeline import TieredAttention
+from nanovllm.sparse import DecodeBlocks, SparseStats, create_policy
+from nanovllm.utils.context import Context, DecodeSelection, PrefixGather, reset_context, set_context
+from nanovllm.utils.tensors import padded_rows, to_device
+
+logger = logging.getLogger(__name__)
+
+
+class KVCache:
+    """Args: config; layers (the model's attention layers, in order); device; decode_batch_sizes
+    (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode batches are padded so
+    that eager and graph decode run the same shapes; None: no padding)."""
+
+    def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None):
+        self.config, self.device, self.decode_batch_sizes = config, device, decode_batch_sizes
+        layer = layers[0]
+        self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
+                                   config.dtype)
+        self.policy = create_policy(config, layer.scale)
+        self.stats = SparseStats()
+        self.attention = TieredAttention(self.policy, self.stats, layer.scale)
+        for i, module in enumerate(layers):
+            module.layer_id, module.kv_cache = i, self
+        self.kv: torch.Tensor | None = None
+        self.host: HostTier | None = None
+        self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one layer for the current step (see ``pipeline.py``)."""
+        return self.attention.forward(layer, q, k, v)
+
+    # ---- memory ------------------------------------------------------------------------
+    def metadata_bytes_per_block(self) -> int:
+        g = self.geometry
+        return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
+
+    def reserved_bytes(self, num_host_blocks: int) -> int:
+        """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata."""
+        if not self.config.enable_cpu_offload:
+            return 0
+        slot_bytes = self.geometry.block_bytes // self.geometry.num_layers
+        return self.config.num_ring_slots * slot_bytes + num_host_blocks * self.metadata_bytes_per_block()
+
+    def allocate(self, sizes: TierSizes):
+        """Allocate both tiers and the policy's metadata.
+
+        Raises:
+            RuntimeError: the GPU tier or the host tier cannot be allocated (with the byte counts).
+        """
+        g, cuda = self.geometry, self.device.type == "cuda"
+        shape = (2, g.num_layers, sizes.gpu_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        try:  # on CPU untouched pages cost nothing: every slot is written before it is read
+            self.kv = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
+        except RuntimeError as err:
+            raise RuntimeError(f"cannot allocate the KV cache: num_kvcache_blocks={sizes.gpu_blocks} x "
+                               f"{g.block_bytes} bytes = {sizes.gpu_blocks * g.block_bytes / 2**30:.1f} GiB on "
+                               f"{self.device}: {err}") from err
+        if self.config.enable_cpu_offload:
+            self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
+                                 sizes.host_blocks, self.config.num_ring_slots)
+        self.attention.bind(self.kv[0], self.kv[1], self.host)
+        self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
+                             sizes.gpu_blocks, sizes.host_blocks)
+        self._log(sizes)
+
+    def _log(self, sizes: TierSizes):
+        g = self.geometry
+        tiers = [("GPU", sizes.gpu_blocks)] + ([("host", sizes.host_blocks)] if self.host else [])
+        logger.info("KV cache: %s; %d-token blocks of %d layers in %s%s", ", ".join(
+            f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
+            for name, n in tiers), g.block_size, g.num_layers, g.dtype,
+            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}" if self.host else "")
+
+    def release(self):
+        if self.host is not None:
+            self.host.synchronize()
+        self.attention.release()
+        self.kv = self.host = None
+
+    # ---- steps -------------------------------------------------------------------------
+    def begin_step(self, spills: list[tuple[int, int]]):
+        """Copy the blocks the scheduler spilled (``(GPU block, host block)``, in order) to the
+        host tier, before anything of this step writes the GPU tier."""
+        if not spills:
+            return
+        self.host.spill(spills, self.kv[0], self.kv[1])
+        if self.policy.needs_block_metadata:
+            gpu_ids, host_ids = zip(*spills)
+            self.policy.on_spill(to_device(gpu_ids, torch.int64, self.device),
+                                 to_device(host_ids, torch.int64, self.device))
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool):
+        """Set the attention context of a step; returns the model inputs ``(input_ids,
+        positions, sample_idx)`` (``sample_idx``: the rows whose logits are sampled)."""
+        if is_prefill:
+            ctx, input_ids, positions, sample_idx = self._prepare_prefill(seqs)
+        else:
+            ctx, input_ids, positions, sample_idx = self._prepare_decode(seqs)
+        set_context(ctx)
+        self.attention.begin_step(ctx)
+        return (to_device(input_ids, torch.int64, self.device), to_device(positions, torch.int64, self.device),
+                sample_idx)
+
+    def finish_step(self):
+        """After the forward: the policy's metadata of the blocks the step filled."""
+        reset_context()
+        if self._completed:
+            self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
+            self._completed = []
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        if pos < seq.num_cached_tokens:  # a cached, shared block: its KV is already there
+            return -1
+        block_size = self.geometry.block_size
+        return seq.block_table[pos // block_size] * block_size + pos % block_size
+
+    def _note_filled(self, seq: Sequence, start: int, end: int):
+        if self.policy.needs_block_metadata:
+            block_size = self.geometry.block_size
+            self._completed += [seq.block_table[j] for j in range(start // block_size, end // block_size)
+                                if seq.block_table[j] != NO_BLOCK]
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slots, seqlens_q, seqlens_k, sample_idx, gathers = [], [], [], [], [], [], {}
+        for i, seq in enumerate(seqs):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [self._slot(seq, p) for p in range(start, end)]
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            if end == len(seq):
+                sample_idx.append(len(input_ids) - 1)
+            if start and self.host is not None:
+                gather = self._prefix_gather(seq, start)
+                if gather is not None:
+                    gathers[i] = gather
+            self._note_filled(seq, start, end)
+        tables = None
+        if any(k > q for q, k in zip(seqlens_q, seqlens_k)):
+            tables = [seq.block_table for seq in seqs]
+            tables = to_device(padded_rows(tables, max(map(len, tables))), torch.int32, self.device)
+        ctx = Context(is_prefill=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_tables=tables,
+                      slot_mapping=to_device(slots, torch.int64, self.device), prefix_gathers=gathers)
+        return ctx, input_ids, positions, sample_idx
+
+    def _prefix_gather(self, seq: Sequence, num_tokens: int) -> PrefixGather | None:
+        """Where the first ``num_tokens`` of ``seq`` live, when some are on the host tier."""
+        num_blocks = -(-num_tokens // self.geometry.block_size)
+        host = [(j, seq.host_block_table[j]) for j in range(num_blocks) if seq.host_block_table[j] != NO_BLOCK]
+        if not host:
+            return None
+        gpu = [(j, seq.block_table[j]) for j in range(num_blocks) if seq.block_table[j] != NO_BLOCK]
+        index, ids = (list(t) for t in zip(*gpu)) if gpu else ([], [])
+        return PrefixGather(num_tokens, to_device(index, torch.int64, self.device),
+                            to_device(ids, torch.int64, self.device), host)
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        block_size = self.geometry.block_size
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        slots = [self._slot(seq, len(seq) - 1) for seq in seqs]
+        tables, lens, loads = [], [], []
+        for row, seq in enumerate(seqs):
+            table, length = seq.block_table, len(seq)
+            if self.host is not None and NO_BLOCK in table:
+                hosts = [h for h in seq.host_block_table if h != NO_BLOCK]
+                loads += [(row, h) for h in hosts]
+                table, length = [b for b in table if b != NO_BLOCK], length - len(hosts) * block_size
+            tables.append(table)
+            lens.append(length)
+            self._note_filled(seq, len(seq) - 1, len(seq))
+        ctx = Context(is_prefill=False, host_loads=loads, selection=self._selection(seqs))
+        width = max(map(len, tables))
+        if ctx.paged_only and self.decode_batch_sizes:  # CUDA: the shapes of the captured graphs
+            pad = next((s for s in self.decode_batch_sizes if s >= len(seqs)), len(seqs)) - len(seqs)
+            input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+            lens, tables = lens + [0] * pad, tables + [[]] * pad
+            width = max(width, -(-self.config.max_model_len // block_size))
+        ctx.slot_mapping = to_device(slots, torch.int64, self.device)
+        ctx.context_lens = to_device(lens, torch.int32, self.device)
+        ctx.block_tables = to_device(padded_rows(tables, width), torch.int32, self.device)
+        return ctx, input_ids, positions, list(range(len(seqs)))
+
+    def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
+        """The batch's choosing sequences, when the policy chooses for any."""
+        if not self.policy.chooses_decode_blocks:
+            return None
+        rows = [row for row, seq in enumerate(seqs) if self.policy.selects(len(seq.block_table))]
+        if not rows:
+            return None
+        width = max(len(seqs[row].block_table) for row in rows)
+        blocks = DecodeBlocks(rows, [len(seqs[row].block_table) for row in rows],
+                              to_device(padded_rows([seqs[r].block_table for r in rows], width), torch.int64,
+                                        self.device),
+                              to_device(padded_rows([seqs[r].host_block_table for r in rows], width), torch.int64,
+                                        self.device))
+        return DecodeSelection(blocks, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs])
+
+    # ---- observability -----------------------------------------------------------------
+    def loaded_blocks(self) -> int:
+        """Host-to-GPU block loads so far, in blocks of every layer (keys and values)."""
+        return self.host.bytes_h2d // self.geometry.block_bytes if self.host is not None else 0

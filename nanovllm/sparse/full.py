@@ -1,0 +1,6 @@
+"""FULL: every block, dense prefill (exact attention)."""
+from nanovllm.sparse.policy import SparsePolicy
+
+
+class FullAttentionPolicy(SparsePolicy):
+    """Every block, in prefill and decode: :class:`SparsePolicy` unchanged."""

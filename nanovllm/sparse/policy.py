@@ -1,0 +1,105 @@
+"""The sparse-policy interface: a policy chooses what attention reads, nothing else.
+
+The attention pipeline (``nanovllm/kvcache/attention.py``) asks the engine's policy two questions:
+
+- **prefill**: :meth:`SparsePolicy.prefill_mask`, a block-sparse mask over a sequence's chunk of
+  queries and its whole context (None: dense);
+- **decode**: :meth:`SparsePolicy.selects` (does this many blocks call for a choice?) and
+  :meth:`SparsePolicy.select_decode_blocks`, the blocks each sequence reads, in both tiers.
+
+Policies keep per-block metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
+once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full and
+:meth:`~SparsePolicy.on_spill` when blocks move to the host tier. A policy never copies KV, never
+touches streams, ring slots or statistics.
+"""
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class SparsePolicyType(Enum):
+    FULL = "FULL"
+    QUEST = "QUEST"
+    XATTN_BSA = "XATTN_BSA"
+
+    @classmethod
+    def parse(cls, value) -> "SparsePolicyType":
+        """From a member or its name (case-insensitive). Raises ValueError naming the choices."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            raise ValueError(f"sparse_policy must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+@dataclass
+class DecodeBlocks:
+    """The KV blocks of the decode sequences whose policy selects, padded to ``M`` columns.
+
+    Attributes:
+        rows: the sequences' rows in the decode batch (host list, length ``S``).
+        num_blocks: each sequence's block count (host list), ``<= M``.
+        gpu_ids: int64 ``[S, M]`` on the device: the GPU-tier block of each logical block, -1 if
+            it is on the host tier or padding.
+        host_ids: int64 ``[S, M]``: the host-tier block, -1 if on the GPU tier or padding.
+    """
+
+    rows: list[int]
+    num_blocks: list[int]
+    gpu_ids: torch.Tensor
+    host_ids: torch.Tensor
+
+
+class SparsePolicy:
+    """FULL's behaviour (every block, dense prefill); subclasses override what they choose.
+
+    Args:
+        scale: the attention's softmax scale (for policies that score with it).
+    """
+
+    dense_prefill = True
+    """Prefill attends to every causally visible key (compute density 1.0, not counted)."""
+    prefill_block_size: int | None = None
+    """Sparse block of :meth:`prefill_mask`'s masks (policies with ``dense_prefill`` False)."""
+    chooses_decode_blocks = False
+    """:meth:`selects` may be True: decode asks :meth:`select_decode_blocks` per layer."""
+    needs_block_metadata = False
+    """The cache calls :meth:`on_blocks_full` and :meth:`on_spill`."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    # ---- metadata hooks ----------------------------------------------------------------
+    def metadata_bytes_per_block(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                                 dtype: torch.dtype) -> int:
+        """Device bytes of per-block metadata (for every block of both tiers), budgeted before the
+        GPU tier is sized. Default: none."""
+        return 0
+
+    def allocate(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, num_gpu_blocks: int, num_host_blocks: int) -> None:
+        """Called once the tiers are sized: allocate per-block metadata here."""
+
+    def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        """GPU blocks ``gpu_ids`` (int64 ``[n]``) became full: their keys of every layer are
+        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, num_gpu_blocks, block_size, Hkv, D]``)."""
+
+    def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
+        """Full blocks moved from the GPU tier (``gpu_ids``) to the host tier (``host_ids``)."""
+
+    # ---- choices -----------------------------------------------------------------------
+    def prefill_mask(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        """Block-sparse mask for one sequence's prefill chunk q ``[Sq, Hq, D]`` over its whole
+        context k ``[Sk, Hkv, D]`` (the chunk is the last ``Sq`` keys); None: dense."""
+        return None
+
+    def selects(self, num_blocks: int) -> bool:
+        """Whether a decode step over ``num_blocks`` blocks reads fewer than all of them."""
+        return False
+
+    def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> list[list[int]]:
+        """For each sequence of ``blocks``, the logical block indices its decode query reads at
+        ``layer``, increasing. ``q``: ``[S, Hq, D]``, the queries of ``blocks.rows``. Default: all."""
+        return [list(range(n)) for n in blocks.num_blocks]

@@ -1,0 +1,314 @@
+"""The two-tier KV cache against the GPU-only engine (CPU, float32, tiny random checkpoints).
+
+With the host tier on and the GPU tier forced small, blocks are spilled to the host tier and read
+back through the ring (decode) or gathered from both tiers (prefill); greedy tokens and logits
+must equal the GPU-only engine's, with and without prefix-cache hits, under preemption, with the
+sparse policies at their exact settings, and with tensor parallelism. Unit tests below check the
+block manager's placement and the attention pipeline against the references.
+"""
+import pytest
+import torch
+
+from _util import build_llm, generate_with_logits, greedy, random_prompt
+
+BLOCK = 256
+PROMPT_LENS = (1, 100, 255, 256, 257, 1000, 3000, 700)
+DECODE = 64
+MAX_MODEL_LEN = 3100
+BATCH_BLOCKS = sum(-(-(n + DECODE) // BLOCK) for n in PROMPT_LENS)  # 28: the batch's KV, all at once
+HOST = dict(enable_cpu_offload=True, num_cpu_kvcache_blocks=64, num_ring_slots=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [random_prompt(n, seed=n) for n in PROMPT_LENS]
+
+
+def _reference(model_dir, prompts):
+    with build_llm(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=64) as llm:
+        return generate_with_logits(llm, prompts, DECODE)
+
+
+@pytest.fixture(scope="module")
+def references(llama3_dir, qwen3_dir, prompts):
+    return {"llama3": _reference(llama3_dir, prompts), "qwen3": _reference(qwen3_dir, prompts)}
+
+
+def _assert_equal(got, ref):
+    tokens, logits = got
+    assert tokens == ref[0]
+    for n, ours, theirs in zip(PROMPT_LENS, logits, ref[1]):
+        assert (ours - theirs).abs().max().item() <= 1e-5, f"prompt of {n} tokens"
+
+
+def _assert_nothing_held(llm):
+    stats = llm.get_kv_cache_stats()
+    assert stats["gpu_blocks_used"] == stats["host_blocks_used"] == 0, stats
+    assert llm.scheduler.block_manager.num_free_blocks == stats["gpu_blocks"] + stats["host_blocks"]
+
+
+@pytest.mark.parametrize("gpu_blocks", [4, round(0.3 * BATCH_BLOCKS), round(0.7 * BATCH_BLOCKS)],
+                         ids=["gpu~0%", "gpu~30%", "gpu~70%"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_spilled_tiers_equal_gpu_only(request, prompts, references, arch, gpu_blocks):
+    """~0%: the smallest GPU tier that runs two sequences at once (each keeps its first block and
+    the one it writes on the GPU); ~30% / ~70% of the batch's KV. A second generate of the same
+    prompts, reversed, hits the prefix cache in both tiers."""
+    ref = references[arch]
+    with build_llm(request.getfixturevalue(f"{arch}_dir"), max_model_len=MAX_MODEL_LEN,
+                   num_kvcache_blocks=gpu_blocks, **HOST) as llm:
+        _assert_equal(generate_with_logits(llm, prompts, DECODE), ref)
+        stats = llm.get_kv_cache_stats()
+        assert stats["spilled_blocks"] > 0 and stats["loaded_blocks"] > 0, stats
+        assert stats["gpu_blocks"] == gpu_blocks and stats["host_blocks"] == HOST["num_cpu_kvcache_blocks"]
+        _assert_nothing_held(llm)
+        tokens, logits = generate_with_logits(llm, prompts[::-1], DECODE)
+        _assert_equal((tokens[::-1], logits[::-1]), ref)
+        assert llm.get_kv_cache_stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
+        _assert_nothing_held(llm)
+
+
+def test_gpu_tier_holding_everything_spills_nothing(llama3_dir, prompts, references):
+    with build_llm(llama3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=BATCH_BLOCKS + 4, **HOST) as llm:
+        _assert_equal(generate_with_logits(llm, prompts, DECODE), references["llama3"])
+        stats = llm.get_kv_cache_stats()
+    assert stats["spilled_blocks"] == stats["loaded_blocks"] == 0
+    assert stats["host_blocks_used"] == 0
+
+
+def test_preemption_with_both_tiers_full(llama3_dir):
+    """4 GPU + 1 host blocks for two 500-token prompts that grow to 3 blocks each: the first to
+    cross a block boundary spills a block to the host, the second finds both tiers full and is
+    preempted (recomputed once the first finishes); the outputs are the unconstrained ones."""
+    prompts = [random_prompt(500, seed=11), random_prompt(500, seed=12)]
+    ref = _reference(llama3_dir, prompts)
+    with build_llm(llama3_dir, max_model_len=1024, num_kvcache_blocks=4, enable_cpu_offload=True,
+                   num_cpu_kvcache_blocks=1, num_ring_slots=2) as llm:
+        got = generate_with_logits(llm, prompts, DECODE)
+        stats = llm.get_kv_cache_stats()
+        _assert_nothing_held(llm)
+    assert got[0] == ref[0]
+    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(got[1], ref[1]))
+    assert stats["preemptions"] >= 1 and stats["spilled_blocks"] >= 1, stats
+
+
+def test_repeated_prompt_hits_blocks_spilled_to_the_host(qwen3_dir):
+    """A 3,000-token prompt on a 4-block GPU tier: its blocks end on the host tier; the same
+    prompt again finds 11 full blocks (2,816 tokens) there and gives the same output."""
+    prompt = [random_prompt(3000, seed=77)]
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=4, **HOST) as llm:
+        first = llm.generate(prompt, greedy(20), use_tqdm=False)[0]
+        assert llm.get_kv_cache_stats()["spilled_blocks"] >= 12 - 4, "all but 4 of its 12 blocks"
+        second = llm.generate(prompt, greedy(20), use_tqdm=False)[0]
+        assert first["num_cached_tokens"] == 0
+        assert second["num_cached_tokens"] >= 2816
+        assert second["token_ids"] == first["token_ids"]
+        loaded_before = llm.get_kv_cache_stats()["loaded_blocks"]
+        assert loaded_before > 0
+        _assert_nothing_held(llm)
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=64) as ref:
+        assert ref.generate(prompt, greedy(20), use_tqdm=False)[0]["token_ids"] == first["token_ids"]
+
+
+@pytest.mark.parametrize("policy", [dict(sparse_policy="QUEST", sparse_topk_blocks=16, sparse_threshold_blocks=0),
+                                    dict(sparse_policy="XATTN_BSA", sparse_threshold=1.0)], ids=["quest", "xattn"])
+def test_exact_sparse_settings_equal_full_across_tiers(qwen3_dir, prompts, references, policy):
+    """QUEST with top-k >= blocks reads every block of both tiers; XATTN_BSA at threshold 1.0 keeps
+    every block: both give FULL's tokens and logits."""
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST, **policy) as llm:
+        _assert_equal(generate_with_logits(llm, prompts, DECODE), references["qwen3"])
+        assert llm.get_kv_cache_stats()["spilled_blocks"] > 0
+
+
+def test_quest_reads_fewer_host_blocks(qwen3_dir, prompts):
+    opts = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST)
+    loaded = {}
+    for name, policy in (("full", {}), ("quest", dict(sparse_policy="QUEST", sparse_topk_blocks=1,
+                                                        sparse_threshold_blocks=2))):
+        with build_llm(qwen3_dir, **opts, **policy) as llm:
+            out = llm.generate(prompts[-3:], greedy(DECODE), use_tqdm=False)
+            assert all(len(o["token_ids"]) == DECODE for o in out)
+            loaded[name] = llm.get_kv_cache_stats()["loaded_blocks"]
+            stats = llm.get_sparse_stats()["decode"]
+        if name == "quest":
+            assert 0 < stats["comm_density"] < 1
+    assert loaded["quest"] < loaded["full"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_with_host_tier_equals_1(llama_tied_dir):
+    """Each gloo rank keeps its shard of the KV heads in both tiers; TP=2 gives TP=1's tokens
+    with the GPU tier capped (blocks spilled and read back)."""
+    prompts = [random_prompt(n, seed=290 + n) for n in (40, 700, 1300)]
+    opts = dict(max_model_len=1536, num_kvcache_blocks=4, enable_cpu_offload=True, num_cpu_kvcache_blocks=16,
+                num_ring_slots=2)
+    with build_llm(llama_tied_dir, **opts) as tp1:
+        ref = [o["token_ids"] for o in tp1.generate(prompts, greedy(100), use_tqdm=False)]
+        assert tp1.get_kv_cache_stats()["spilled_blocks"] > 0
+        heads = tp1.model_runner.cache.geometry.num_kv_heads
+    with build_llm(llama_tied_dir, tensor_parallel_size=2, **opts) as tp2:
+        tokens = [o["token_ids"] for o in tp2.generate(prompts, greedy(100), use_tqdm=False)]
+        cache = tp2.model_runner.cache
+        assert cache.geometry.num_kv_heads == heads // 2
+        assert cache.kv.shape[-2] == cache.host.k_host.shape[-2] == heads // 2
+    assert tokens == ref
+
+
+# ---------------------------------------------------------------- block manager, unit level
+def _seq(n, seed):
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
+
+    return Sequence(random_prompt(n, seed=seed), SamplingParams(temperature=0.0), BLOCK)
+
+
+def _prefill(bm, seq):
+    """Admit and write the whole prompt, as the scheduler's chunks would."""
+    bm.allocate(seq)
+    while seq.num_computed_tokens < len(seq):
+        n = bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens)
+        assert n > 0
+        seq.num_computed_tokens += n
+        bm.commit(seq)
+
+
+def test_spills_coldest_full_blocks_never_the_first_or_the_written_one():
+    from nanovllm.kvcache.block_manager import BlockManager
+
+    bm = BlockManager(4, BLOCK, num_host_blocks=8)
+    a = _seq(3 * BLOCK + 10, 1)  # 4 blocks: 3 full + 1 partial (the one a writes next)
+    _prefill(bm, a)
+    assert bm.take_spills() == [] and all(g >= 0 for g in a.block_table), "4 free GPU blocks: no spill"
+    b = _seq(2 * BLOCK, 2)
+    bm.allocate(b)
+    assert bm.ensure_writable(b, 2 * BLOCK) == 2 * BLOCK
+    spills = bm.take_spills()
+    assert [h for h in a.host_block_table if h >= 0] == [h for _, h in spills], "spilled in order"
+    assert [g >= 0 for g in a.block_table] == [True, False, False, True], \
+        "a's full blocks 1 and 2 went to the host, coldest (first full) first; block 0 and the partial one stayed"
+    assert [gpu for gpu, _ in spills] == [b.block_table[0], b.block_table[1]], "b writes into the freed blocks"
+    b.num_computed_tokens = 2 * BLOCK
+    bm.commit(b)
+    c = _seq(BLOCK, 3)
+    assert not bm.can_allocate(c), "a GPU tier of 4 blocks keeps 2 sequences live"
+    assert bm.usage()["spilled_blocks"] == 2
+    for seq in (a, b):
+        bm.deallocate(seq)
+    assert bm.num_free_blocks == 12 and bm.usage()["gpu_blocks_used"] == bm.usage()["host_blocks_used"] == 0
+
+
+def test_spill_moves_a_shared_block_for_every_sharer_and_keeps_its_registration():
+    from nanovllm.kvcache.block_manager import BlockManager
+
+    bm = BlockManager(6, BLOCK, num_host_blocks=8)
+    a = _seq(3 * BLOCK, 3)
+    _prefill(bm, a)
+    from nanovllm.engine.sequence import Sequence
+
+    b = Sequence(a.token_ids[:2 * BLOCK] + [5] * 10, a.sampling_params, BLOCK)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 2 * BLOCK and b.block_table[1] == a.block_table[1]
+    # a's block 2 is the coldest (b's hit on block 1 touched it); force two spills
+    assert bm._spill_coldest() and bm._spill_coldest()
+    assert [gpu for gpu, _ in bm.take_spills()] == [a.block_table[0] + 2, a.block_table[0] + 1]
+    assert a.block_table[1] == b.block_table[1] == -1
+    assert a.host_block_table[1] == b.host_block_table[1] >= 0
+    c = Sequence(a.token_ids[:2 * BLOCK] + [6] * 3, a.sampling_params, BLOCK)
+    assert bm.can_allocate(c)
+    bm.allocate(c)
+    assert c.num_cached_tokens == 2 * BLOCK and c.host_block_table[1] == a.host_block_table[1]
+
+
+def test_admission_counts_both_tiers_and_the_live_limit():
+    from nanovllm.kvcache.block_manager import BlockManager
+
+    bm = BlockManager(4, BLOCK, num_host_blocks=4)  # 8 blocks, 2 live sequences
+    a, b, c = _seq(5 * BLOCK, 4), _seq(3 * BLOCK - 1, 5), _seq(10, 6)
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    assert not bm.can_allocate(_seq(3 * BLOCK + 1, 7)), "5 reserved + 4 > 8"
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert not bm.can_allocate(c), "a GPU tier of 4 blocks keeps 2 sequences live"
+    bm.deallocate(a)
+    assert bm.can_allocate(c)
+
+
+# ---------------------------------------------------------------- attention pipeline, unit level
+HEADS_Q, HEADS_KV, DIM, LAYERS = 4, 2, 32, 2
+
+
+def _pipeline(num_gpu_blocks=6, num_host_blocks=6, slots=2, policy=None):
+    from nanovllm.kvcache.host_tier import HostTier
+    from nanovllm.kvcache.pipeline import TieredAttention
+    from nanovllm.sparse import FullAttentionPolicy, SparseStats
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, LAYERS, num_gpu_blocks, BLOCK, HEADS_KV, DIM, generator=gen)
+    host = HostTier(LAYERS, BLOCK, HEADS_KV, DIM, torch.float32, torch.device("cpu"), num_host_blocks, slots)
+    host.k_host.copy_(torch.randn(host.k_host.shape, generator=gen))
+    host.v_host.copy_(torch.randn(host.v_host.shape, generator=gen))
+    attention = TieredAttention(policy or FullAttentionPolicy(DIM ** -0.5), SparseStats(), DIM ** -0.5)
+    attention.bind(kv[0], kv[1], host)
+    return attention, kv, host
+
+
+def _full_context(kv, host, layer, gpu_table, host_table, n):
+    blocks = [(kv[0, layer, g], kv[1, layer, g]) if g >= 0 else (host.k_host[layer, h], host.v_host[layer, h])
+              for g, h in zip(gpu_table, host_table)]
+    return torch.cat([b[0] for b in blocks])[:n], torch.cat([b[1] for b in blocks])[:n]
+
+
+def test_decode_over_both_tiers_equals_the_reference():
+    from nanovllm.ops import decode_attention_ref
+    from nanovllm.utils.context import Context, reset_context, set_context
+
+    attention, kv, host = _pipeline()
+    tables = [([0, -1, -1, 2], [-1, 3, 0, -1], 3 * BLOCK + 7), ([1, -1, 4], [-1, 5, -1], 2 * BLOCK + 100),
+              ([5], [-1], 9)]
+    q = torch.randn(3, HEADS_Q, DIM)
+    ctx = Context(is_prefill=False, host_loads=[(row, h) for row, (_, hosts, _) in enumerate(tables)
+                                                for h in hosts if h >= 0])
+    ctx.slot_mapping = torch.full((3,), -1, dtype=torch.int64)
+    ctx.block_tables = torch.tensor([[g for g in gpus if g >= 0] + [-1] * (4 - sum(g >= 0 for g in gpus))
+                                     for gpus, _, _ in tables], dtype=torch.int32)
+    ctx.context_lens = torch.tensor([n - sum(h >= 0 for h in hosts) * BLOCK for _, hosts, n in tables],
+                                    dtype=torch.int32)
+    set_context(ctx)
+    attention.begin_step(ctx)
+    try:
+        for layer in range(LAYERS):
+            out = attention.forward(layer, q, torch.zeros(3, HEADS_KV, DIM), torch.zeros(3, HEADS_KV, DIM))
+            for row, (gpus, hosts, n) in enumerate(tables):
+                k, v = _full_context(kv, host, layer, gpus, hosts, n)
+                ref = decode_attention_ref(q[row:row + 1], k.view(1, n, HEADS_KV, DIM), v.view(1, n, HEADS_KV, DIM),
+                                           torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                                           DIM ** -0.5)
+                assert (out[row] - ref[0]).abs().max() <= 1e-5, (layer, row)
+    finally:
+        reset_context()
+    assert attention.ring.consumed == LAYERS * 3 == len(attention.ring.plan), "one plan across layers"
+
+
+def test_prefill_gathers_a_prefix_from_both_tiers():
+    from nanovllm.ops import prefill_attention_ref
+    from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
+
+    attention, kv, host = _pipeline()
+    gpus, hosts, prefix, new = [0, -1, 3], [-1, 2, -1], 2 * BLOCK + 30, 50  # chunk continues block 2
+    q, k, v = torch.randn(new, HEADS_Q, DIM), torch.randn(new, HEADS_KV, DIM), torch.randn(new, HEADS_KV, DIM)
+    slots = torch.arange(prefix, prefix + new) % BLOCK + 3 * BLOCK
+    gather = PrefixGather(prefix, torch.tensor([0, 2]), torch.tensor([0, 3]), [(1, 2)])
+    ctx = Context(is_prefill=True, seqlens_q=[new], seqlens_k=[prefix + new], slot_mapping=slots,
+                  block_tables=torch.tensor([gpus], dtype=torch.int32), prefix_gathers={0: gather})
+    set_context(ctx)
+    try:
+        out = attention.forward(1, q, k, v)
+    finally:
+        reset_context()
+    k_all, v_all = _full_context(kv, host, 1, gpus, hosts, prefix + new)
+    assert torch.equal(k_all[prefix:], k), "the chunk was stored in the GPU tier first"
+    ref = prefill_attention_ref(q, k, v, [new], [prefix + new], DIM ** -0.5,
+                                prefixes={0: (k_all[:prefix], v_all[:prefix])})
+    assert (out - ref).abs().max() <= 1e-5
+    assert attention.stats.to_dict(True)["prefill"]["loaded_host_blocks"] == 1
