@@ -1,8 +1,10 @@
 """Triton availability, kernel dispatch and shared argument checks for ``nanovllm.ops``.
 
 A kernel module decorates its kernels with ``triton.jit`` from here. Without Triton (CPU-only
-installs) ``triton.jit`` is the identity and ``tl.constexpr`` a placeholder, so the modules still
-import; ``use_triton`` is then always False and no kernel is launched.
+installs, macOS, Windows) ``triton.jit`` is a stand-in that returns the function unchanged, in both
+forms ``@triton.jit`` and ``@triton.jit(do_not_specialize=...)``, and ``tl.constexpr`` a
+placeholder, so the modules still import; ``use_triton`` is then always False and no kernel is
+launched.
 """
 
 import math
@@ -19,7 +21,12 @@ try:
 
     HAS_TRITON = True
 except ImportError:
-    triton = types.SimpleNamespace(jit=lambda fn: fn)
+
+    def _jit_stand_in(fn=None, **_options):
+        """``triton.jit`` without Triton: the function itself, decorated bare or with options."""
+        return fn if fn is not None else _jit_stand_in
+
+    triton = types.SimpleNamespace(jit=_jit_stand_in)
     tl = types.SimpleNamespace(constexpr=None)
     HAS_TRITON = False
 
