@@ -93,7 +93,7 @@ def _decode_tile(
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
@@ -141,7 +141,7 @@ def _decode_split_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def _decode_reduce_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -212,7 +212,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         o_part, lse_part, out, splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+        HEAD_DIM=dim, BLOCK_S=next_pow2(max(splits, _MAX_SPLITS)), BLOCK_D=block_d,
     )
     return out
 

@@ -61,7 +61,7 @@ def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keys"])
 def _decode_attend_merge_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, num_keys, scale_log2,
     stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh,
