@@ -5,9 +5,10 @@ Each policy (default FULL and XATTN_BSA, GPU-only KV) runs in its own child proc
 the engine (timed: ``init_s``), then generates 12 prompts of distinct lengths in 1.5-2K tokens one
 after another (greedy, ``--max-tokens`` each), twice: the first pass pays the compiles its lengths
 trigger (``first_pass_s``, per prompt in ``first_pass_prompt_s``), the second runs compiled
-(``second_pass_s``); ``compile_s`` is their difference; ``prefill_density`` the policy's (1.0 dense). ``compiled_variants`` counts each Triton
-kernel's compiled variants (its per-device cache) after the run. Issue 14's acceptance: XATTN_BSA's
-first pass <= 2x FULL's (``ratio_first_pass``); ``ratio_with_init`` adds the engine start-up.
+(``second_pass_s``); ``compile_s`` is their difference, ``prefill_density`` the policy's (1.0:
+dense), ``compiled_variants`` each Triton kernel's compiled variants (its per-device cache) after
+the run. Issue 14's acceptance: XATTN_BSA's first pass <= 2x FULL's (``ratio_first_pass``);
+``ratio_with_init`` adds the engine start-up.
 
 The model is SmolLM2-135M-Instruct from ``python -m nanovllm.fetch`` (``~/.cache/nanovllm``) when it
 is there, else ``--model DIR``, else a random-weight checkpoint of SmolLM2's shape (compile cost does
