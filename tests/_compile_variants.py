@@ -13,7 +13,8 @@ cache each new key costs a compile (1-3 s for the XAttention kernels on the H200
 - :func:`recorded_keys` (CPU, no GPU needed) replaces each kernel's launcher with one that computes
   the key with Triton's own argument binder (the code ``JITFunction.run`` uses, for an sm_90 CUDA
   target) and records it instead of compiling and launching, and sends CPU tensors down the ops'
-  Triton paths, whose outputs are then left unwritten (only the launches matter).
+  Triton paths, sized as for the GPU (not the interpreter), whose outputs are then left unwritten
+  (only the launches matter).
   ``tests/gpu/test_compile_variants_gpu.py`` counts the real per-device kernel caches instead.
 """
 import contextlib
@@ -137,6 +138,8 @@ def recorded_keys(monkeypatch):
     for module in OP_MODULES:
         if hasattr(module, "use_triton"):
             monkeypatch.setattr(module, "use_triton", lambda tensor: True)
+        if hasattr(module, "interpreted"):
+            monkeypatch.setattr(module, "interpreted", lambda tensor: False)
     monkeypatch.setattr(sys.modules["nanovllm.ops.decode_attention"], "_sm_count", lambda device: H200_SMS)
     yield keys
 

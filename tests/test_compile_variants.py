@@ -52,7 +52,9 @@ def test_decode_variants_bounded(monkeypatch):
 
 
 def test_row_tile_grows_by_octaves():
-    assert [row_tile(n) for n in (1, 12, 16, 128, 129, 256, 257, 1024)] == [128, 128, 128, 128, 256, 256, 512, 1024]
+    lengths = (1, 12, 16, 128, 129, 256, 257, 1024)
+    assert [row_tile(n) for n in lengths] == [128, 128, 128, 128, 256, 256, 512, 1024]
+    assert [row_tile(n, interpret=True) for n in lengths] == [1, 16, 16, 128, 256, 256, 512, 1024]
 
 
 def test_pass_a_variants_are_the_two_load_paths(monkeypatch):

@@ -11,7 +11,8 @@ for every int argument not listed in ``do_not_specialize``, whether it is 1 and 
 multiple of 16 (tensors: whether their address is 16-byte aligned). Every kernel here therefore lists
 in ``do_not_specialize`` the ints that follow the sequence lengths (lengths, block counts, offsets and
 the strides of buffers sized by them), and sizes its constexpr tiles from the model and the
-configuration, or from :func:`row_tile`, never from a length directly: a new prompt length reuses a
+configuration, or from :func:`row_tile` (one width up to 128 blocks), never from a length directly
+(under the interpreter nothing is compiled and tiles stay small): a new prompt length reuses a
 compiled kernel (issue 14: 7 of 12 new lengths in 1.5-2K tokens each paid 1-3 s of compiling).
 Strides fixed by the model (head_dim, heads, cache rows) stay specialised: their alignment is what
 lets Triton vectorise the loads. ``tests/test_compile_variants.py`` counts the keys.
@@ -172,15 +173,23 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def interpreted(tensor: torch.Tensor) -> bool:
+    """True when the Triton path for ``tensor`` runs under Triton's interpreter (a CPU tensor):
+    nothing is compiled there, and every tile element costs numpy work."""
+    return not tensor.is_cuda
+
+
 MIN_ROW_TILE = 128
-"""Smallest :func:`row_tile`."""
+"""Smallest compiled :func:`row_tile`."""
 
 
-def row_tile(n: int) -> int:
+def row_tile(n: int, interpret: bool = False) -> int:
     """Tile width of a kernel that holds a whole row of ``n`` key blocks (a sort, a prefix sum):
-    the next power of two >= n, at least :data:`MIN_ROW_TILE`, so one compiled variant serves every
-    row of up to 128 blocks (16K tokens at 128-token blocks) and one more each octave above."""
-    return max(MIN_ROW_TILE, next_pow2(n))
+    the next power of two >= n, for a compiled kernel at least :data:`MIN_ROW_TILE`, so one
+    compiled variant serves every row of up to 128 blocks (16K tokens at 128-token blocks) and one
+    more each octave above. Under the interpreter (``interpret``) the bare power of two: 128-wide
+    tiles made the CPU tests 3x slower."""
+    return next_pow2(n) if interpret else max(MIN_ROW_TILE, next_pow2(n))
 
 
 def cdiv(a: int, b: int) -> int:
