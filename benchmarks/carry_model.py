@@ -29,7 +29,6 @@ checks the whole file's sha256 and converts it into ``nanovllm.fetch.default_des
 """
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import os
