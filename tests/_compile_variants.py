@@ -5,8 +5,9 @@ and, for a parameter not in ``do_not_specialize``, whether an int is 1 or a mult
 whether a tensor is 16-byte aligned, plus the launch options (num_warps, num_stages). On a fresh
 cache each new key costs a compile (1-3 s for the XAttention kernels on the H200).
 
-- The workloads make the ops calls that the XATTN_BSA policy (GPU-only and offload prefill) and the
-  decode paths make for one prompt length, on a device of choice.
+- The workloads make the ops calls that the XATTN_BSA policy (GPU-only and offload prefill), every
+  layer's prefill (RMSNorm, RoPE, KV store) and the decode paths make for one length, on a device of
+  choice.
 - :data:`WORKLOADS` gives each the most keys a kernel may need over any set of lengths within one
   octave of :func:`nanovllm.ops._triton.row_tile` (up to 16K tokens at 128-token blocks): one per
   length-independent configuration (causal or not, the two load paths of the estimation).
@@ -25,14 +26,14 @@ from collections import defaultdict
 import pytest
 import torch
 
-from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, merge_attention_outputs,
-                          xattn_select_blocks)
+from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
+                          merge_attention_outputs, rms_norm, store_kvcache, xattn_select_blocks)
 from nanovllm.ops.xattn_estimate import normalise_block_rows
 from nanovllm.ops.xattn_streamed import merge_row_stats, xattn_block_mask, xattn_block_sums, xattn_row_stats
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
-    "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "xattn_estimate",
-    "xattn_select", "xattn_streamed"))
+    "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "rmsnorm",
+    "rotary", "store_kv", "xattn_estimate", "xattn_select", "xattn_streamed"))
 
 PROMPT_LENGTHS = (1500, 1517, 1536, 1561, 1600, 1633, 1664, 1701, 1750, 1791, 1856, 1907)
 """12 distinct prompt lengths in 1.5-2K tokens (issue 14's compile storm), multiples of 1, 8 and 16."""
@@ -102,6 +103,20 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
     merge_attention_outputs(o, lse_rows, o, lse_rows)
 
 
+def layer_steps(n: int, device, heads=SMOLLM2_HEADS, hidden: int = 576, kv_block: int = 256) -> None:
+    """The per-layer kernels of any prefill of n tokens: residual RMSNorm, RoPE on q/k views of the
+    packed projection, and the KV store into the paged cache."""
+    heads_q, heads_kv, dim = heads
+    x = torch.zeros(n, hidden, device=device, dtype=torch.bfloat16)
+    rms_norm(x, torch.ones(hidden, device=device, dtype=torch.bfloat16), 1e-5, x)
+    packed = torch.zeros(n, heads_q + 2 * heads_kv, dim, device=device, dtype=torch.bfloat16)
+    q, k, v = packed[:, :heads_q], packed[:, heads_q:heads_q + heads_kv], packed[:, heads_q + heads_kv:]
+    positions = torch.arange(n, device=device)
+    apply_rotary(positions, q, k, torch.zeros(2, 8192, dim // 2, device=device))
+    cache = torch.zeros(-(-n // kv_block), kv_block, heads_kv, dim, device=device, dtype=torch.bfloat16)
+    store_kvcache(k, v, cache, cache, positions)
+
+
 def kernels() -> dict:
     """``{"module.kernel": JITFunction}`` of every Triton kernel the ops modules define."""
     from triton.runtime.jit import JITFunction
@@ -162,6 +177,8 @@ WORKLOADS = {
         "xattn_estimate._xattn_stats_kernel": 2, "xattn_estimate._xattn_block_sum_kernel": 2,
         "xattn_select._select_kernel": 1, "block_lists._kept_block_lists_kernel": 2,
         "block_sparse_attention._bsa_kernel": 2}),
+    "layer_steps": (layer_steps, {
+        "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1}),
     "decode_steps": (decode_steps, {
         "decode_attention._decode_split_kernel": 1, "decode_attention._decode_reduce_kernel": 1,
         "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1}),

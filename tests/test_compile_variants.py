@@ -1,5 +1,5 @@
 """No per-length compile storms (issue 14.5): over many prompt lengths each Triton kernel of the
-XATTN_BSA prefill and of decode needs a bounded number of compiled variants, one per
+XATTN_BSA prefill, of every layer's prefill and of decode needs a bounded number of compiled variants, one per
 length-independent configuration (its specialisation keys, computed on CPU with Triton's own
 argument binder; see tests/_compile_variants.py). Before the lengths were taken out of the keys, 12
 lengths in 1.5-2K gave 4-6 variants of each XAttention kernel.
@@ -24,8 +24,8 @@ def _assert_bounded(keys, bounds):
 
 
 @pytest.mark.parametrize("lengths", [PROMPT_LENGTHS, WIDE_LENGTHS], ids=["1.5-2K", "257-15K"])
-@pytest.mark.parametrize("workload", ["xattn_prefill", "xattn_offload_chunk"])
-def test_xattn_variants_bounded(monkeypatch, workload, lengths):
+@pytest.mark.parametrize("workload", ["xattn_prefill", "xattn_offload_chunk", "layer_steps"])
+def test_prefill_variants_bounded(monkeypatch, workload, lengths):
     run, bounds = WORKLOADS[workload]
     with recorded_keys(monkeypatch) as keys:
         for n in lengths:
