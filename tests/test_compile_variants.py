@@ -1,8 +1,8 @@
 """No per-length compile storms (issue 14.5): over many prompt lengths each Triton kernel of the
-XATTN_BSA prefill, of every layer's prefill and of decode needs a bounded number of compiled variants, one per
-length-independent configuration (its specialisation keys, computed on CPU with Triton's own
-argument binder; see tests/_compile_variants.py). Before the lengths were taken out of the keys, 12
-lengths in 1.5-2K gave 4-6 variants of each XAttention kernel.
+XATTN_BSA prefill, of every layer's prefill and of decode needs a bounded number of compiled
+variants, one per length-independent configuration (its specialisation keys, computed on CPU with
+Triton's own argument binder; see tests/_compile_variants.py). Before the lengths were taken out of
+the keys, 12 lengths in 1.5-2K gave 4-6 variants of each XAttention kernel.
 """
 import pytest
 
