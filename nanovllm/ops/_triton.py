@@ -1,8 +1,21 @@
 """Triton availability, kernel dispatch and shared argument checks for ``nanovllm.ops``.
 
 A kernel module decorates its kernels with ``triton.jit`` from here. Without Triton (CPU-only
-installs) ``triton.jit`` is the identity and ``tl.constexpr`` a placeholder, so the modules still
-import; ``use_triton`` is then always False and no kernel is launched.
+installs, macOS, Windows) ``triton.jit`` is a stand-in that returns the function unchanged, in both
+forms ``@triton.jit`` and ``@triton.jit(do_not_specialize=...)``, and ``tl.constexpr`` a
+placeholder, so the modules still import; ``use_triton`` is then always False and no kernel is
+launched.
+
+Compiled variants. Triton compiles a kernel once per specialisation key: its constexpr values and,
+for every int argument not listed in ``do_not_specialize``, whether it is 1 and whether it is a
+multiple of 16 (tensors: whether their address is 16-byte aligned). Every kernel here therefore lists
+in ``do_not_specialize`` the ints that follow the sequence lengths (lengths, block counts, offsets and
+the strides of buffers sized by them), and sizes its constexpr tiles from the model and the
+configuration, or from :func:`row_tile` (one width up to 128 blocks), never from a length directly
+(under the interpreter nothing is compiled and tiles stay small): a new prompt length reuses a
+compiled kernel (issue 14: 7 of 12 new lengths in 1.5-2K tokens each paid 1-3 s of compiling).
+Strides fixed by the model (head_dim, heads, cache rows) stay specialised: their alignment is what
+lets Triton vectorise the loads. ``tests/test_compile_variants.py`` counts the keys.
 """
 
 import math
@@ -19,7 +32,12 @@ try:
 
     HAS_TRITON = True
 except ImportError:
-    triton = types.SimpleNamespace(jit=lambda fn: fn)
+
+    def _jit_stand_in(fn=None, **_options):
+        """``triton.jit`` without Triton: the function itself, decorated bare or with options."""
+        return fn if fn is not None else _jit_stand_in
+
+    triton = types.SimpleNamespace(jit=_jit_stand_in)
     tl = types.SimpleNamespace(constexpr=None)
     HAS_TRITON = False
 
@@ -153,6 +171,25 @@ def both_or_neither(first, second) -> tuple:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def interpreted(tensor: torch.Tensor) -> bool:
+    """True when the Triton path for ``tensor`` runs under Triton's interpreter (a CPU tensor):
+    nothing is compiled there, and every tile element costs numpy work."""
+    return not tensor.is_cuda
+
+
+MIN_ROW_TILE = 128
+"""Smallest compiled :func:`row_tile`."""
+
+
+def row_tile(n: int, interpret: bool = False) -> int:
+    """Tile width of a kernel that holds a whole row of ``n`` key blocks (a sort, a prefix sum):
+    the next power of two >= n, for a compiled kernel at least :data:`MIN_ROW_TILE`, so one
+    compiled variant serves every row of up to 128 blocks (16K tokens at 128-token blocks) and one
+    more each octave above. Under the interpreter (``interpret``) the bare power of two: 128-wide
+    tiles made the CPU tests 3x slower."""
+    return next_pow2(n) if interpret else max(MIN_ROW_TILE, next_pow2(n))
 
 
 def cdiv(a: int, b: int) -> int:

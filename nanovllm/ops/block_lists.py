@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, check_causal, is_pow2, next_pow2, tl, triton, use_triton
+from ._triton import cdiv, check_causal, interpreted, is_pow2, row_tile, tl, triton, use_triton
 
 
 class BlockLists(NamedTuple):
@@ -74,7 +74,8 @@ def kept_block_lists_ref(mask: torch.Tensor, block_size: int, seq_q: int, seq_k:
     return BlockLists(*_listed(full), *_listed(mask & ~full))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k", "offset", "seq_k", "stride_mh", "stride_mq", "stride_ch", "stride_ih",
+                                "stride_iq"])
 def _kept_block_lists_kernel(
     mask_ptr, full_count_ptr, full_index_ptr, count_ptr, index_ptr, n_q, n_k, offset, seq_k,
     stride_mh, stride_mq, stride_ch, stride_ih, stride_iq,
@@ -129,6 +130,6 @@ def kept_block_lists(mask: torch.Tensor, block_size: int, seq_q: int, seq_k: int
     _kept_block_lists_kernel[(heads * n_q,)](
         mask, full_count, full_index, count, index, n_q, n_k, seq_k - seq_q, seq_k, mask.stride(0), mask.stride(1),
         count.stride(0), index.stride(0), index.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_K=next_pow2(n_k), CAUSAL=causal, num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_K=row_tile(n_k, interpreted(mask)), CAUSAL=causal, num_warps=4,
     )
     return BlockLists(full_count, full_index, count, index)

@@ -172,7 +172,7 @@ def _bsa_list(
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_q", "seq_k", "offset", "stride_ch", "stride_ih", "stride_iq", "stride_lh"])
 def _bsa_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, count_ptr, index_ptr, full_count_ptr, full_index_ptr, out_ptr, lse_ptr,
     seq_q, seq_k, offset, scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os,

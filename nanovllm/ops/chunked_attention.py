@@ -202,7 +202,7 @@ def merge_attention_outputs_ref(
     return out.to(o1.dtype), lse.float()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len", "stride_lb", "stride_lh"])
 def _merge_kernel(
     o1_ptr, lse1_ptr, o2_ptr, lse2_ptr, out_ptr, lse_ptr, seq_len,
     stride_o1b, stride_o1s, stride_o1h, stride_o2b, stride_o2s, stride_o2h,

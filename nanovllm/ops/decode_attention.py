@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2,
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, interpreted, next_pow2,
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .store_kv import gather_kvcache
@@ -21,6 +21,8 @@ _BLOCK_G = MIN_DOT_ROWS
 _PROGRAMS_PER_SM = 4
 """Split-K aims at this many programs per SM (2, 4 and 8 measured within 4% on the H200)."""
 _MAX_SPLITS = 32
+"""Most splits chosen automatically; the merge kernel's compiled tile always covers this many, so
+its one variant serves every context length."""
 _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
@@ -99,7 +101,7 @@ def _decode_tile(
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
@@ -147,7 +149,7 @@ def _decode_split_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh", "stride_mb"])
 def _decode_reduce_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_mb,
@@ -222,7 +224,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         o_part, lse_part, out, lse, splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=dim, BLOCK_S=next_pow2(splits), BLOCK_D=block_d, WRITE_LSE=return_lse,
+        HEAD_DIM=dim, BLOCK_S=next_pow2(splits if interpreted(q) else max(splits, _MAX_SPLITS)), BLOCK_D=block_d,
+        WRITE_LSE=return_lse,
     )
     return (out, lse) if return_lse else out
 

@@ -10,7 +10,7 @@ launch, which keeps the host ahead of the copy engine.
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, online_softmax_step, tl, triton,
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, online_softmax_step, tl, triton,
                       use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 
@@ -61,7 +61,7 @@ def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keys"])
 def _decode_attend_merge_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, num_keys, scale_log2,
     stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh,
@@ -137,7 +137,7 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     block_d = block_dim(dim)
-    _decode_attend_merge_kernel[(heads_kv, triton.cdiv(group, _BLOCK_G))](
+    _decode_attend_merge_kernel[(heads_kv, cdiv(group, _BLOCK_G))](
         q, k, v, out, lse, k.shape[0], softmax_scale * LOG2E,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,

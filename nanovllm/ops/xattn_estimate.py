@@ -19,7 +19,7 @@ import torch
 
 from ._triton import (
     LOG2E, block_dim, both_or_neither, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset,
-    check_same_device, check_scale, is_pow2, next_pow2, row_group_descriptor, tl, triton, use_triton,
+    check_same_device, check_scale, interpreted, is_pow2, row_group_descriptor, row_tile, tl, triton, use_triton,
 )
 
 
@@ -198,7 +198,7 @@ def _online_softmax_tile(s, m_i, l_i):
     return m_new, p, l_i * tl.exp2(m_i - m_safe) + tl.sum(p, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_q", "seq_k", "n_qs", "n_ks", "offset", "stride_mh"])
 def _xattn_stats_kernel(
     q_ptr, k_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_mh,
@@ -255,7 +255,8 @@ def _block_sum_tile(
     tl.store(ptrs, sums, mask=q_block_mask[:, None] & (k_blocks < n_k)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_q", "seq_k", "n_qs", "n_ks", "n_q", "n_k", "offset", "stride_mh", "stride_oh",
+                                "stride_oq"])
 def _xattn_block_sum_kernel(
     q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale_log2,
     stride_qs, stride_qh, stride_ks, stride_kh, stride_mh, stride_oh, stride_oq,
@@ -322,7 +323,8 @@ def _partials_tile(
     return m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_q", "seq_k", "n_qs", "n_ks", "n_k", "offset", "stride_ph", "stride_pk",
+                                "stride_th", "stride_tt", "stride_mh"])
 def _xattn_partials_kernel(
     q_ptr, k_ptr, q_desc, k_desc, part_ptr, tile_max_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, n_k, offset,
     scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_ph, stride_pk, stride_th, stride_tt, stride_mh,
@@ -391,7 +393,8 @@ def _combine_chunk(
     tl.store(out_row + kb, tl.sum(probs, 0) * inv_rows, mask=kb < n_k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_qs", "n_ks", "n_k", "offset", "stride_ph", "stride_pk", "stride_th", "stride_tt",
+                                "stride_mh", "stride_oh", "stride_oq"])
 def _xattn_combine_kernel(
     part_ptr, tile_max_ptr, m_ptr, l_ptr, out_ptr, n_qs, n_ks, n_k, offset,
     stride_ph, stride_pk, stride_th, stride_tt, stride_mh, stride_oh, stride_oq,
@@ -516,7 +519,8 @@ def _launch_block_scores(q, k, stride, block_size, scale, causal, offset):
     """Pass A then pass B on the device: float32 ``[Hq, nQ, nK]`` block scores, rows normalised;
     ``offset`` is the key position of query row 0. Scratch (float32): partial block sums
     ``[Hq, nK, ceil(Sq/S)]``, tile maxima ``[Hq, ceil(Sk/(S*BLOCK_N)), ceil(Sq/S)]``, row max and
-    sum ``[Hq, ceil(Sq/S)]``; pass B reads ``BLOCK_KB`` key blocks x TILE rows (<= 2048) at a time."""
+    sum ``[Hq, ceil(Sq/S)]``; pass B reads ``BLOCK_KB`` key blocks x TILE rows at a time, at most 2048
+    (:func:`~nanovllm.ops._triton.row_tile` of nK: a single width, 128, for the default TILE of 16)."""
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     (seq_q, heads_q, _), seq_k = q.shape, k.shape[0]
     config = _partials_config(q, stride, block_size, causal)
@@ -535,10 +539,11 @@ def _launch_block_scores(q, k, stride, block_size, scale, causal, offset):
     )
     out = torch.empty((heads_q, n_q, n_k), dtype=torch.float32, device=q.device)
     tile = config["TILE"]
+    block_kb = min(row_tile(n_k, interpreted(q)), max(1, 2048 // tile))
     _xattn_combine_kernel[(n_q, heads_q)](
         part, tile_max, m_buf, l_buf, out, n_qs, n_ks, n_k, offset, part.stride(0), part.stride(1),
         tile_max.stride(0), tile_max.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
-        STRIDE=stride, TILE=tile, BLOCK_N=config["BLOCK_N"], BLOCK_KB=min(next_pow2(n_k), max(1, 2048 // tile)),
+        STRIDE=stride, TILE=tile, BLOCK_N=config["BLOCK_N"], BLOCK_KB=block_kb,
         CAUSAL=bool(causal), WHILE_LOOP=config["WHILE_LOOP"], num_warps=4,
     )
     return out

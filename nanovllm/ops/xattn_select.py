@@ -12,7 +12,7 @@ from numbers import Real
 
 import torch
 
-from ._triton import cdiv, check_causal, next_pow2, tl, triton, use_triton
+from ._triton import cdiv, check_causal, interpreted, row_tile, tl, triton, use_triton
 
 
 def _as_int(name: str, value, minimum: int) -> int:
@@ -124,7 +124,8 @@ def _float_order(bits):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-@triton.jit(do_not_specialize=["threshold_bits"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "offset", "seq_q", "threshold_bits", "stride_sh", "stride_sq",
+                                "stride_mh", "stride_mq"])
 def _select_kernel(
     scores_ptr, mask_ptr, n_q, n_k, offset, seq_q, threshold_bits, stride_sh, stride_sq, stride_mh, stride_mq,
     BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr,
@@ -190,7 +191,7 @@ def xattn_select_blocks(
     block_size, seq_q, seq_k = _lengths(n_q, n_k, block_size, seq_q, seq_k)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     mask = torch.empty(scores.shape, dtype=torch.uint8, device=scores.device)
-    block_k = next_pow2(n_k)
+    block_k = row_tile(n_k, interpreted(scores))
     threshold_bits = struct.unpack("<q", struct.pack("<d", threshold))[0]
     _select_kernel[(heads * n_q,)](
         scores, mask, n_q, n_k, seq_k - seq_q, seq_q, threshold_bits, scores.stride(0), scores.stride(1),
