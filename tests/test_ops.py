@@ -208,6 +208,40 @@ def test_decode_ref_matches_math(heads_q, heads_kv):
         assert_close(out[b], expected[0], 1e-10)
 
 
+@pytest.mark.parametrize("heads_q,heads_kv", [(3, 3), (8, 2)])
+def test_decode_ref_returns_lse_of_the_full_context(heads_q, heads_kv):
+    contexts = [0, 1, 7, 13, 8]
+    k_cache, v_cache, tables, keys, values = make_paged_cache(contexts, 4, heads_kv, 16, torch.float64)
+    q = torch.randn(len(contexts), heads_q, 16, dtype=torch.float64)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    out, lse = decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25, return_lse=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32 and lse.shape == (5, heads_q)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    for b, n in enumerate(contexts[1:], start=1):
+        expected, expected_lse = naive_attention(q[b][None], keys[b], values[b], 0.25, False)
+        assert_close(out[b], expected[0], 1e-10)
+        torch.testing.assert_close(lse[b].double(), expected_lse[:, 0], atol=1e-5, rtol=1e-6)
+
+
+def test_decode_lse_merges_two_block_ranges_into_the_whole_context():
+    """What a tiered cache does: attention over blocks 0..1 and over blocks 2.. of each sequence,
+    merged by LSE, equals attention over the whole context (out float32, not cast to bfloat16)."""
+    contexts, block_size = [13, 9, 8, 20], 4
+    k_cache, v_cache, tables, _, _ = make_paged_cache(contexts, block_size, 2, 16, torch.bfloat16)
+    q = torch.randn(len(contexts), 6, 16).bfloat16()
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    head = (lens.clamp(max=2 * block_size), tables)
+    tail = (lens - head[0], tables[:, 2:])
+    o1, lse1 = decode_attention(q, k_cache, v_cache, head[1], head[0], 0.25, return_lse=True)
+    o2, lse2 = decode_attention(q, k_cache, v_cache, tail[1], tail[0], 0.25, return_lse=True)
+    assert o1.dtype == torch.float32 and torch.isneginf(lse2[2]).all()
+    out, lse = merge_attention_outputs(o1[:, None], lse1[..., None], o2[:, None], lse2[..., None])
+    full, full_lse = decode_attention(q, k_cache, v_cache, tables, lens, 0.25, return_lse=True)
+    assert_close(out[:, 0], full, 1e-5)
+    torch.testing.assert_close(lse[..., 0], full_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(full.bfloat16(), decode_attention(q, k_cache, v_cache, tables, lens, 0.25))
+
+
 def _fold_chunks(fold, q, keys, values, bounds, scale):
     out = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.full(q.shape[:1], NEG_INF, dtype=torch.float32)
@@ -297,6 +331,9 @@ def test_errors_name_the_value_and_the_limit():
     with pytest.raises(ValueError, match="num_splits=0 must be >= 1"):
         decode_attention(torch.randn(2, 4, 8), cache, cache, torch.zeros(2, 2, dtype=torch.int32),
                          torch.tensor([1, 2], dtype=torch.int32), 1.0, num_splits=0)
+    with pytest.raises(ValueError, match="return_lse='yes' must be a bool"):
+        decode_attention(torch.randn(2, 4, 8), cache, cache, torch.zeros(2, 2, dtype=torch.int32),
+                         torch.tensor([1, 2], dtype=torch.int32), 1.0, return_lse="yes")
     with pytest.raises(ValueError, match="slot_mapping must be \\[num_tokens=3\\]"):
         store_kvcache(torch.randn(3, 2, 8), torch.randn(3, 2, 8), cache, cache, torch.zeros(2, dtype=torch.int32))
 
@@ -384,6 +421,25 @@ def test_interpreted_decode_matches_reference(heads_q, heads_kv, dim, block_size
 
 
 @interpreted_only
+@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, 40)])
+def test_interpreted_decode_returns_lse(dtype, num_splits):
+    """The reduce kernel's LSE of the merged splits (splits past a short context are empty) and
+    the float32 output before the cast; the default call returns that output cast to q.dtype."""
+    contexts, block_size = [0, 1, 70, 35, 16], 16
+    k_cache, v_cache, tables, _, _ = make_paged_cache(contexts, block_size, 2, 64, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    q = (torch.randn(len(contexts), 6, 64) * 2).to(dtype)
+    out, lse = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, num_splits=num_splits, return_lse=True)
+    ref, ref_lse = decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (5, 6)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all() and torch.isfinite(lse[1:]).all()
+    assert_close(out, ref, 1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    default = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, num_splits=num_splits)
+    assert torch.equal(default, out.to(dtype))
+
+
+@interpreted_only
 def test_interpreted_decode_float32_is_exact_to_rounding():
     contexts = [33, 0, 5]
     k_cache, v_cache, tables, keys, values = make_paged_cache(contexts, 16, 2, 64, torch.float32)
@@ -467,4 +523,4 @@ def test_interpreted_apply_rotary_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=24)
+    run_interpreted_tests(__file__, min_passed=27)

@@ -56,11 +56,16 @@ def decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """Reference of :func:`decode_attention` (same arguments and result; reads context_lens on
-    the host). Raises ValueError when a context length is outside 0..max_blocks * block_size."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`decode_attention` (same arguments and result; one
+    :func:`flash_attn_with_lse_ref` per sequence in float32, float64 inputs in float64; reads
+    context_lens on the host). Raises ValueError when a context length is outside
+    0..max_blocks * block_size."""
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
-    out = torch.zeros_like(q)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     max_tokens = block_tables.shape[1] * k_cache.shape[1]
     for b, length in enumerate(context_lens.tolist()):
         if not 0 <= length <= max_tokens:
@@ -68,8 +73,9 @@ def decode_attention_ref(
         if length:
             keys = gather_kvcache(k_cache, block_tables[b], length)[None]
             values = gather_kvcache(v_cache, block_tables[b], length)[None]
-            out[b] = flash_attn_with_lse_ref(q[b][None, None], keys, values, scale, False)[0][0, 0]
-    return out
+            out_b, lse_b = flash_attn_with_lse_ref(q[b][None, None].to(dtype), keys, values, scale, False)
+            out[b], lse[b] = out_b[0, 0], lse_b[0, :, 0]
+    return (out, lse) if return_lse else out.to(q.dtype)
 
 
 @triton.jit
@@ -143,9 +149,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_mb,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -161,6 +167,9 @@ def _decode_reduce_kernel(
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if WRITE_LSE:
+        # Base-2 LSE of the merged splits, in natural log (x ln 2); no key: -inf + log2(0) = -inf.
+        tl.store(lse_ptr + b * stride_mb + h, (top + tl.log2(total)) * 0.6931471805599453)
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +192,7 @@ def _split_plan(programs_per_split: int, max_tokens: int, block_n: int, device, 
     return max(1, cdiv(max_tokens, tokens_per_split)), tokens_per_split
 
 
-def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse):
     batch, heads_q, dim = q.shape
     block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
@@ -207,14 +216,15 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-    out = torch.empty((batch, heads_q, dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, heads_q, dim), dtype=torch.float32 if return_lse else q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
     _decode_reduce_kernel[(batch, heads_q)](
-        o_part, lse_part, out, splits,
+        o_part, lse_part, out, lse, splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM=dim, BLOCK_S=next_pow2(splits), BLOCK_D=block_d, WRITE_LSE=return_lse,
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def decode_attention(
@@ -225,7 +235,8 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each sequence's one new query over its paged cached context.
 
     Args:
@@ -237,23 +248,33 @@ def decode_attention(
             ``0 <= context_lens[b] <= M * block_size``; 0 (padded rows) gives an output of zeros.
         scale: softmax scale (usually ``D ** -0.5``).
         num_splits: split-K chunks per sequence; None picks one from B, heads and M only.
+        return_lse: also return the log-sum-exp, for merging with attention over other keys
+            (:func:`merge_attention_outputs`).
 
     Returns:
-        ``[B, Hq, D]`` in q.dtype.
+        ``out [B, Hq, D]`` in q.dtype; with ``return_lse`` ``(out, lse)``: out float32 (the
+        normalised output before any cast to q.dtype; float64 for float64 q on the reference
+        path) and lse float32 ``[B, Hq]``, natural log of the sum of exp(scaled scores), -inf
+        where ``context_lens[b] == 0`` (out 0 there).
 
     Raises:
         ValueError: inconsistent shapes, Hq not a multiple of Hkv, D outside 1..256, a
-            non-contiguous cache head_dim; the reference also rejects context lengths out of range.
+            non-contiguous cache head_dim, num_splits < 1, return_lse not a bool; the reference
+            also rejects context lengths out of range.
 
-    CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits), with
-    a grid fixed by the shapes and no host sync, so the call is CUDA-graph capturable (run it once
-    before capture so Triton compiles). On the H200 it read KV at 4.1-4.4 TB/s for batch 64-256 at
-    2K-4K tokens (cuDNN over contiguous KV: 4.2-4.6), so flash_attn's paged kernel is not used.
-    Lengths are not range-checked on the device. CPU: :func:`decode_attention_ref`.
+    CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
+    also writes the merged LSE when asked), with a grid fixed by the shapes and no host sync, so
+    the call is CUDA-graph capturable (run it once before capture so Triton compiles). On the H200
+    it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
+    4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
+    device. CPU: :func:`decode_attention_ref`.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if return_lse not in (True, False):
+        raise ValueError(f"return_lse={return_lse!r} must be a bool")
+    return_lse = bool(return_lse)
     if q.shape[0] == 0 or not use_triton(q):
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+    return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse)

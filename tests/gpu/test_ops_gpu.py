@@ -173,6 +173,25 @@ def test_decode_attention_forced_splits_and_dtypes(num_splits, dtype):
     assert (out[0] == 0).all()
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_attention_returns_lse(num_splits, dtype):
+    """The reduce kernel's merged LSE and float32 output against the reference; the default call
+    returns exactly that output cast to q.dtype."""
+    contexts = [0, 1, 255, 256, 257, 3001, 4096]
+    k_cache, v_cache, tables = paged_cache(contexts, 8, 128, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(contexts), 32, 128, device=DEVICE).to(dtype)
+    out, lse = decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, num_splits=num_splits, return_lse=True)
+    ref, ref_lse = decode_attention_ref(q, k_cache, v_cache, tables, lens, 128**-0.5, return_lse=True)
+    assert out.dtype == torch.float32 and lse.shape == (len(contexts), 32)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert_close(lse[1:], ref_lse[1:], rel=1e-4, atol=1e-3)
+    default = decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, num_splits=num_splits)
+    assert torch.equal(default, out.to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads_q,heads_kv,dim", [(32, 8, 128), (16, 8, 64), (20, 1, 80)])
 def test_decode_attend_merge_folds_ring_slots_like_the_reference(dtype, heads_q, heads_kv, dim):
@@ -216,17 +235,18 @@ def test_apply_rotary_matches_reference(dtype):
         assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_decode_attention_cuda_graph_replay():
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_attention_cuda_graph_replay(return_lse):
     batch, heads_q, heads_kv, dim, max_blocks = 64, 32, 8, 128, 16
     k_cache, v_cache, _ = paged_cache([max_blocks * BLOCK_SIZE] * batch, heads_kv, dim, torch.bfloat16)
     q = torch.randn(batch, heads_q, dim, device=DEVICE).bfloat16()
     tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEVICE)
     lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
-    decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, return_lse=return_lse)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+        result = decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, return_lse=return_lse)
     for _ in range(2):
         contexts = torch.randint(0, max_blocks * BLOCK_SIZE + 1, (batch,))
         contexts[::9] = 0
@@ -234,6 +254,13 @@ def test_decode_attention_cuda_graph_replay():
         tables.copy_(torch.stack([torch.randperm(k_cache.shape[0])[:max_blocks] for _ in range(batch)]).int())
         lens.copy_(contexts.int())
         graph.replay()
-        ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, dim**-0.5)
+        ref = decode_attention_ref(q, k_cache, v_cache, tables, lens, dim**-0.5, return_lse=return_lse)
+        if return_lse:
+            (out, lse), (ref, ref_lse) = result, ref
+            live = contexts.to(DEVICE) > 0
+            assert_close(lse[live], ref_lse[live], rel=1e-4, atol=1e-3)
+            assert torch.isneginf(lse[::9]).all()
+        else:
+            out = result
         assert_close(out, ref)
         assert (out[::9] == 0).all()
