@@ -342,7 +342,8 @@ def test_errors_name_the_value_and_the_limit():
 @eager_only
 def test_cpu_dispatch_uses_the_references():
     """CPU prefill runs torch's fused CPU attention (with the LSE) per sequence: equal to the
-    plain-math reference within float32 rounding, GQA and a causal prefix split included."""
+    plain-math reference within float32 rounding, GQA and a causal prefix split included.
+    (CPU decode: the batched tests below.)"""
     q, kv = torch.randn(9, 4, 16), torch.randn(9, 2, 16)
     torch.testing.assert_close(prefill_attention(q, kv, kv, [4, 5], [4, 5], 0.25),
                                prefill_attention_ref(q, kv, kv, [4, 5], [4, 5], 0.25), atol=1e-5, rtol=1e-5)
@@ -352,11 +353,62 @@ def test_cpu_dispatch_uses_the_references():
     o1, lse1, o2, lse2 = neg_inf_merge_inputs(torch.bfloat16)
     for a, b in zip(merge_attention_outputs(o1, lse1, o2, lse2), merge_attention_outputs_ref(o1, lse1, o2, lse2)):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
-    k_cache, v_cache, tables, _, _ = make_paged_cache([0, 5, 9], 4, 2, 16, torch.bfloat16)
-    lens = torch.tensor([0, 5, 9], dtype=torch.int32)
-    qd = torch.randn(3, 4, 16).bfloat16()
-    assert torch.equal(decode_attention(qd, k_cache, v_cache, tables, lens, 0.25),
-                       decode_attention_ref(qd, k_cache, v_cache, tables, lens, 0.25))
+
+
+def poison_outside_contexts(cache, tables, contexts):
+    """NaN in every cache slot that holds none of the contexts' tokens (tails of last blocks,
+    spare blocks): a decode path that lets padding reach its output gives NaN."""
+    block_size = cache.shape[1]
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(contexts):
+        pos = torch.arange(n)
+        keep[tables[b, pos // block_size].long(), pos % block_size] = True
+    cache[~keep] = float("nan")
+
+
+@eager_only
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("heads_q,heads_kv,block_size", [(4, 4, 4), (6, 2, 16), (9, 3, 256), (20, 1, 8)])
+def test_cpu_decode_batched_matches_reference(dtype, tol, heads_q, heads_kv, block_size):
+    """The batched CPU path (padded gather, GQA folded into the query rows) against the
+    per-sequence reference: empty rows, one token, block edges, strided q rows; every cache slot
+    outside the contexts holds NaN. float32 within 1e-5, the LSE too; half inputs compute in
+    float32 (one rounding of the output, bfloat16 tolerance)."""
+    contexts = [0, 1, 2 * block_size, 2 * block_size + 1, 37, 0, 3 * block_size - 1]
+    k_cache, v_cache, tables, _, _ = make_paged_cache(contexts, block_size, heads_kv, 64, dtype)
+    for cache in (k_cache, v_cache):
+        poison_outside_contexts(cache, tables, contexts)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    q = (torch.randn(len(contexts), heads_q + 2 * heads_kv, 64) * 2).to(dtype)[:, :heads_q]
+    out = decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    assert out.dtype == dtype
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125), tol)
+    out, lse = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True)
+    ref, ref_lse = decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True)
+    assert out.dtype == ref.dtype and lse.dtype == torch.float32
+    assert_close(out, ref, min(tol, 1e-5))
+    assert torch.isneginf(lse[[0, 5]]).all() and (out[[0, 5]] == 0).all()
+    live = lens > 0
+    torch.testing.assert_close(lse[live], ref_lse[live], atol=1e-5, rtol=1e-5)
+
+
+@eager_only
+def test_cpu_decode_is_one_fused_attention_call_for_the_batch():
+    """A whole batch runs one torch fused-attention kernel (not one attention per sequence),
+    also with no context at all, and rejects lengths outside the block table like the reference."""
+    contexts = [3, 9, 1, 16]
+    k_cache, v_cache, tables, _, _ = make_paged_cache(contexts, 4, 2, 16, torch.float32)
+    lens, q = torch.tensor(contexts, dtype=torch.int32), torch.randn(4, 6, 16)
+    with torch.profiler.profile() as prof:
+        decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    names = [event.name for event in prof.events()]
+    assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 1
+    assert names.count("aten::index_select") == 2  # keys and values of every sequence, once
+    out, lse = decode_attention(q, k_cache, v_cache, tables, torch.zeros(4, dtype=torch.int32), 0.25, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    for bad in (-1, tables.shape[1] * 4 + 1):
+        with pytest.raises(ValueError, match=f"context_lens\\[2\\]={bad} is outside 0..{tables.shape[1] * 4}"):
+            decode_attention(q, k_cache, v_cache, tables, torch.tensor([3, 9, bad, 16], dtype=torch.int32), 0.25)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreter)

@@ -51,6 +51,13 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
 
 
+def _check_context_lens(lengths: list[int], max_tokens: int) -> None:
+    """ValueError naming the first length outside 0..max_tokens."""
+    for b, length in enumerate(lengths):
+        if not 0 <= length <= max_tokens:
+            raise ValueError(f"context_lens[{b}]={length} is outside 0..{max_tokens} (max_blocks * block_size)")
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -68,10 +75,9 @@ def decode_attention_ref(
     dtype = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    max_tokens = block_tables.shape[1] * k_cache.shape[1]
-    for b, length in enumerate(context_lens.tolist()):
-        if not 0 <= length <= max_tokens:
-            raise ValueError(f"context_lens[{b}]={length} is outside 0..{max_tokens} (max_blocks * block_size)")
+    lengths = context_lens.tolist()
+    _check_context_lens(lengths, block_tables.shape[1] * k_cache.shape[1])
+    for b, length in enumerate(lengths):
         if length:
             keys = gather_kvcache(k_cache, block_tables[b], length)[None]
             values = gather_kvcache(v_cache, block_tables[b], length)[None]
@@ -230,6 +236,53 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     return (out, lse) if return_lse else out
 
 
+def _context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache slots ``[B, width]`` (int64) of each sequence's tokens 0..width-1 and the mask
+    ``[B, width]`` of those below its context length. A slot past a sequence's context points at
+    its token 0 (a row the cache holds), so that padding reads finite values; a row with no
+    context keeps a clamped, arbitrary slot and must be zeroed by the caller."""
+    blocks = block_tables[:, :cdiv(width, block_size)].long() * block_size
+    slots = (blocks[:, :, None] + torch.arange(block_size)).flatten(1)[:, :width]
+    valid = torch.arange(width) < context_lens[:, None]
+    return torch.where(valid, slots, slots[:, :1]).clamp_(min=0), valid
+
+
+def _decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse):
+    """:func:`decode_attention` of the whole batch in one fused-attention call (CPU tensors).
+
+    The contexts are gathered into a padded ``[B, Hkv, L, D]`` (L the longest context), and the
+    GQA group of each KV head is folded into the query length (``[B, Hkv, group, D]``: a decode
+    query is one row, so the group's rows share that head's keys; no K/V repeat). torch's CPU
+    flash attention (``_scaled_dot_product_flash_attention_for_cpu``, which returns the LSE) then
+    runs once, with an additive mask hiding each sequence's padding. Half inputs are computed in
+    float32, like the reference."""
+    batch, heads_q, dim = q.shape
+    block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    shortest, longest = (int(n) for n in context_lens.aminmax()) if batch else (0, 0)
+    max_tokens = block_tables.shape[1] * block_size
+    if shortest < 0 or longest > max_tokens:
+        _check_context_lens(context_lens.tolist(), max_tokens)
+    if longest == 0:
+        out = torch.zeros(q.shape, dtype=dtype)
+        lse = torch.full((batch, heads_q), float("-inf"))
+        return (out, lse) if return_lse else out.to(q.dtype)
+    slots, valid = _context_slots(block_tables, context_lens, longest, block_size)
+    k, v = (cache.flatten(0, 1).index_select(0, slots.flatten()).view(batch, longest, heads_kv, dim).transpose(1, 2)
+            for cache in (k_cache, v_cache))
+    mask = torch.where(valid, 0.0, float("-inf")).to(dtype)[:, None, None, :]
+    q_groups = q.unflatten(1, (heads_kv, heads_q // heads_kv)).to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_groups, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    out, lse = out.reshape(batch, heads_q, dim), lse.reshape(batch, heads_q).float()
+    if shortest == 0:  # rows with no context read a clamped slot: zero them, whatever it held
+        empty = context_lens == 0
+        out, lse = out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], float("-inf"))
+    return (out, lse) if return_lse else out.to(q.dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -270,7 +323,9 @@ def decode_attention(
     the call is CUDA-graph capturable (run it once before capture so Triton compiles). On the H200
     it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
     4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
-    device. CPU: :func:`decode_attention_ref`.
+    device. CPU: the whole batch in one call of torch's fused CPU flash attention
+    (:func:`_decode_cpu`), lengths range-checked; without Triton on another device:
+    :func:`decode_attention_ref`.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if num_splits is not None and num_splits < 1:
@@ -278,6 +333,8 @@ def decode_attention(
     if return_lse not in (True, False):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
     return_lse = bool(return_lse)
-    if q.shape[0] == 0 or not use_triton(q):
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
-    return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse)
+    if q.shape[0] and use_triton(q):
+        return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse)
+    if q.device.type == "cpu":
+        return _decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
