@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
+from nanovllm.engine.sampling_batch import LogitRows, StepOutput, StepSampler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import (RankChannel, destroy_process_group, init_process_group, join,
                                        torchrun_rank)
@@ -57,6 +58,8 @@ class ModelRunner:
             self.model = self._build_model()
             self.sampler = Sampler()
             self.generator = torch.Generator(self.device).manual_seed(config.seed)
+            self.step_sampler = StepSampler(self.sampler, self.generator, config.eos_token_ids, rank,
+                                            broadcast=self.world_size > 1 and channel_name is None)
             self.kv_cache = self.offload_engine = None
             self.graphs: DecodeGraphs | None = None
             self.channel = RankChannel(channel_name, rank, events) if channel_name else None
@@ -360,13 +363,6 @@ class ModelRunner:
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                 list(range(len(seqs))))
 
-    def _sampling_tensors(self, seqs: list[Sequence]):
-        params = [seq.sampling_params for seq in seqs]
-        temperatures = self._tensor([p.temperature for p in params], torch.float32)
-        top_k = self._tensor([p.top_k for p in params], torch.int64)
-        top_p = self._tensor([p.top_p for p in params], torch.float32)
-        return temperatures, top_k, top_p
-
     # ---- running -----------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool,
@@ -383,9 +379,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], is_prefill: bool,
-            generators: dict[int, torch.Generator] | None = None) -> list[int | None]:
-        """One step for ``seqs``; a sampled token per sequence (None for an unfinished prefill
-        chunk). Rank 0 samples; the other ranks return an empty list."""
+            generators: dict[int, torch.Generator] | None = None) -> StepOutput | list:
+        """One step for ``seqs``: a sampled token per sequence (None for an unfinished prefill
+        chunk) and the logprobs asked for. Rank 0 samples; spawned workers return an empty list."""
         if self.channel is not None and self.rank == 0:
             self.channel.send("run", seqs, is_prefill)
         if self.offload_engine is not None and self.device.type == "cuda":
@@ -398,36 +394,19 @@ class ModelRunner:
             return (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
         return (self.prepare_offload_prefill if is_prefill else self.prepare_offload_decode)(seqs)
 
-    def _run(self, seqs: list[Sequence], is_prefill: bool, generators) -> list[int | None]:
+    def _run(self, seqs: list[Sequence], is_prefill: bool, generators) -> StepOutput | list:
         input_ids, positions, sample_idx = self._prepare(seqs, is_prefill)
-        logits = self.run_model(input_ids, positions, is_prefill, sample_idx)
+        rows = LogitRows(seqs, sample_idx, is_prefill)
+        logits = self.run_model(input_ids, positions, is_prefill, rows.indices)
         reset_context()
         if self.offload_engine is not None and not is_prefill:
             self._offload_full_decode_blocks(seqs)
-        if not sample_idx:
-            return [None] * len(seqs)
+        if not rows.indices:
+            return StepOutput([None] * len(seqs))
         if self.channel is not None and self.rank > 0:
             return []  # a spawned worker: rank 0 samples
-        sampled_seqs = [seq for seq in seqs if not is_prefill or self._finishes_prefill(seq)]
-        if self.rank == 0:
-            tokens = self._sample(logits, sampled_seqs, generators)
-        else:
-            tokens = torch.empty(len(sampled_seqs), dtype=torch.int64, device=self.device)
-        if self.world_size > 1 and self.channel is None:  # torchrun: all take rank 0's tokens
-            dist.broadcast(tokens, src=0)
-        tokens = iter(tokens.tolist())
-        return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
-                for seq in seqs]
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], generators) -> torch.Tensor:
-        params = [seq.sampling_params for seq in seqs]
-        temperatures, top_k, top_p = self._sampling_tensors(seqs)
-        rows = {row: generators[seq.seq_id] for row, seq in enumerate(seqs)
-                if generators and seq.seq_id in generators}
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        needs_filter = any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows)
-        return self.sampler(logits, temperatures, top_k, top_p, rows, sampled_rows,
-                            needs_filter, self.generator)
+        sampled = [not is_prefill or self._finishes_prefill(seq) for seq in seqs]
+        return self.step_sampler(logits, rows, seqs, sampled, generators)
 
     @staticmethod
     def _finishes_prefill(seq: Sequence) -> bool:

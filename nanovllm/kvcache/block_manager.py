@@ -74,6 +74,8 @@ class BlockManager:
         return block
 
     def _num_prefix_hits(self, seq: Sequence) -> list[Block]:
+        if seq.needs_prompt_logprobs:  # cached positions have no logits: compute the whole prompt
+            return []
         hits, h, parent = [], -1, None
         for i in range(len(seq) // self.block_size):
             token_ids = seq.block(i)
