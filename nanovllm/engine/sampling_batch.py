@@ -60,8 +60,8 @@ class LogitRows:
         """logits ``[len(indices), vocab]`` -> (rows to sample, rows of prompt logprobs or None)."""
         if not self._prompt_pos:
             return logits, None
-        return (logits[torch.tensor(self._sample_pos, device=logits.device)],
-                logits[torch.tensor(self._prompt_pos, device=logits.device)])
+        return (logits[_to_device(self._sample_pos, torch.int64, logits.device)],
+                logits[_to_device(self._prompt_pos, torch.int64, logits.device)])
 
 
 def _penalties(seqs: list[Sequence], rows: list[int], device) -> Penalties:
