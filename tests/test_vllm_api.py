@@ -636,3 +636,31 @@ def test_missing_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: pytest.fail("a local path went to the Hub"))
     with pytest.raises(ValueError, match=r"does not exist"):
         LLM(str(tmp_path / "missing" / "model"), device="cpu")
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tensor_parallel_2_gives_tp1_logprobs_and_tokens(llama_tied_dir):
+    """Spawned gloo TP=2: rank 0 samples with penalties, n and stop strings, and returns the same
+    logprobs and prompt logprobs as TP=1 (prompt logprobs over a chunked prefill)."""
+    prompts = [random_prompt(n, seed=1630 + n) for n in (90, 20)]
+    params = [SamplingParams(temperature=0.9, n=2, seed=4, max_tokens=8, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=2, presence_penalty=0.5, repetition_penalty=1.1, min_tokens=2),
+              greedy(8, logprobs=1, frequency_penalty=0.3, stop=["zz"])]
+
+    def run(**opts):
+        with build_llm(llama_tied_dir, max_num_batched_tokens=64, **opts) as engine:
+            return engine.generate(prompts, params, use_tqdm=False)
+
+    ref, tp2 = run(), run(tensor_parallel_size=2)
+    for a, b in zip(ref, tp2):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [c.text for c in a.outputs] == [c.text for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            for da, db in zip(ca.logprobs, cb.logprobs):
+                assert list(da) == list(db)
+                assert [v.logprob for v in da.values()] == pytest.approx([v.logprob for v in db.values()], abs=1e-4)
+    want = [d[t].logprob for d, t in zip(ref[0].prompt_logprobs[1:], prompts[0][1:])]
+    got = [d[t].logprob for d, t in zip(tp2[0].prompt_logprobs[1:], prompts[0][1:])]
+    assert got == pytest.approx(want, abs=1e-4) and len(got) == 89
