@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm import CompletionOutput, LLM, Logprob, RequestOutput, SamplingParams
+from nanovllm import CompletionOutput, LLM, RequestOutput, SamplingParams
 from nanovllm.layers.sampler import apply_min_p, apply_penalties, Penalties
 
-from _util import ARCHS, ENGINE_DEFAULTS, VOCAB_SIZE, build_llm, greedy, random_prompt, token_ids
-
-TOL = 1e-4  # float32 logprobs against transformers'
-
+from _util import (ARCHS, ENGINE_DEFAULTS, LOGPROB_TOL as TOL, VOCAB_SIZE, build_llm, check_logprobs, greedy,
+                   hf_logprobs, random_prompt, token_ids)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
@@ -33,12 +31,6 @@ def hf(qwen3_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
-
-
-def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """transformers' log_softmax over the vocabulary at every position of ``ids`` (float32)."""
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
 def hf_greedy(model, prompt: list[int], steps: int, adjust=None, stop=None) -> list[int]:
@@ -55,23 +47,6 @@ def hf_greedy(model, prompt: list[int], steps: int, adjust=None, stop=None) -> l
         if stop and stop(out[-1], step):
             break
     return out
-
-
-def check_logprobs(entry: dict, token: int, ref: torch.Tensor, k: int, tokenizer):
-    """One ``{token_id: Logprob}`` dict against transformers' log_softmax row ``ref``: the token
-    first, then the top-k by rank; values within TOL; ranks and decoded tokens right."""
-    ids = list(entry)
-    assert ids[0] == token
-    assert len(entry) == k + (token not in ids[1:] and entry[token].rank > k)
-    ordered = ref.sort(descending=True).values
-    for t, lp in entry.items():
-        assert isinstance(lp, Logprob)
-        assert abs(lp.logprob - float(ref[t])) <= TOL, (t, lp.logprob, float(ref[t]))
-        assert lp.decoded_token == tokenizer.decode([t])
-    value = float(ref[token])
-    assert int((ref > value + TOL).sum()) + 1 <= entry[token].rank <= int((ref > value - TOL).sum()) + 1
-    for t, lp in list(entry.items())[1:]:
-        assert 1 <= lp.rank <= k and abs(float(ref[t]) - float(ordered[lp.rank - 1])) <= TOL
 
 
 # ---- outputs -------------------------------------------------------------------------------
@@ -507,6 +482,11 @@ def test_bad_field_edited_after_construction_is_caught_when_queued(llm, field, v
     with pytest.raises(ValueError, match=rf"^sampling_params: {field}"):
         llm.add_request([5, 6, 7], sp)
     assert llm.is_finished()
+
+
+def test_unsupported_sampling_field_is_a_type_error():
+    with pytest.raises(TypeError, match="best_of"):
+        SamplingParams(best_of=2)
 
 
 def test_checks_against_the_vocabulary_at_queue_time(llm):
