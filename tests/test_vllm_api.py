@@ -172,6 +172,22 @@ def test_logprobs_of_the_whole_vocabulary(llm, hf):
     torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
 
 
+def test_offload_mode_gives_the_same_logprobs(qwen3_dir, llm):
+    """CPU offload prefills one block per step: prompt logprobs gathered chunk by chunk equal the
+    GPU-only engine's, and so do the sampled tokens' logprobs."""
+    prompts = [random_prompt(600, seed=1527), random_prompt(20, seed=1528)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want = llm.generate(prompts, sp, use_tqdm=False)
+    with build_llm(qwen3_dir, enable_cpu_offload=True, num_gpu_blocks=2, num_cpu_kvcache_blocks=8) as offload:
+        got = offload.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a["token_ids"] == b["token_ids"] and len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for da, db in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert next(iter(da)) == next(iter(db))  # the same token; its top-k may swap near-ties
+            assert sorted(v.logprob for v in da.values()) == pytest.approx(sorted(v.logprob for v in db.values()),
+                                                                           abs=TOL)
+
+
 # ---- penalties, min_p, min_tokens ------------------------------------------------------------
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])

@@ -105,8 +105,9 @@ def _logprob_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[i
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: list[int],
                      generators: dict[int, torch.Generator] | None, vocab_size: int) -> SamplingTensors:
-    """The sampled sequences' params as :class:`SamplingTensors`: the flags come from one pass over
-    the params, and a tensor is built only for a stage some row uses."""
+    """The sampled sequences' params as :class:`SamplingTensors`: the host flags are computed once
+    per batch from the params (no device sync), and a tensor is built only for a stage some row
+    uses, so a batch with default params pays for nothing it does not use."""
     params = [seq.sampling_params for seq in seqs]
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     temperatures = top_k = top_p = min_p = None
@@ -170,10 +171,11 @@ class StepSampler:
         vocab = logits.size(-1)
         out = self._sample(sample_logits, sampled_seqs, generators, vocab)
         prompt = self._prompt_logprobs(prompt_logits, rows, seqs, vocab)
-        if self.broadcast:
+        if self.broadcast:  # every rank knows the shapes, so all skip the same empty tensors
             for t in (out.tokens, *(out.logprobs.tensors() if out.logprobs else ()),
                       *(prompt.tensors() if prompt else ())):
-                dist.broadcast(t, src=0)
+                if t.numel():
+                    dist.broadcast(t, src=0)
         return self._per_sequence(out, prompt, rows, seqs, sampled, vocab)
 
     def _sample(self, logits, seqs: list[Sequence], generators, vocab: int) -> SamplerOutput:
