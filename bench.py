@@ -4,6 +4,7 @@
     python bench.py                      # random-weight Qwen3-0.6B-shaped checkpoint (created once)
     python bench.py --model DIR --compare-hf
     python bench.py --tensor-parallel-size 2                           # spawns rank 1 itself
+    python bench.py --logprobs 5         # every request also returns the top-5 logprobs per token
     torchrun --nproc-per-node 2 bench.py --tensor-parallel-size 2      # one process per GPU
 """
 import argparse
@@ -19,11 +20,11 @@ from nanovllm.engine.tp_worker import torchrun_rank
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 
-def workload(num_seqs: int, max_input: int, max_output: int):
+def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | None = None):
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output))
-              for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output),
+                             logprobs=logprobs) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -41,7 +42,7 @@ def bench_nanovllm(args, prompts, params) -> dict:
     llm.shutdown()
     return {"engine": "nanovllm", "sequences": len(prompts), "output_tokens": tokens,
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device,
-            "tensor_parallel_size": args.tensor_parallel_size}
+            "tensor_parallel_size": args.tensor_parallel_size, "logprobs": args.logprobs}
 
 
 def bench_hf(args, prompts, params) -> dict:
@@ -83,6 +84,8 @@ def main():
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="K",
+                        help="SamplingParams(logprobs=K) for every request (default: none)")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers' generate")
     parser.add_argument("--hf-num-seqs", type=int, default=256, help="sequences given to HF")
     parser.add_argument("--hf-batch", type=int, default=64)
@@ -93,7 +96,7 @@ def main():
     if args.model is None:
         cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
         args.model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.logprobs)
     result = bench_nanovllm(args, prompts, params)
     if args.compare_hf:
         result["hf"] = bench_hf(args, prompts, params)

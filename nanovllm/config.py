@@ -28,7 +28,7 @@ def _resolve_device(device: str) -> str:
 
 
 def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dtype:
-    if dtype is None:
+    if dtype is None or dtype == "auto":  # "auto": vLLM's name for the default
         if device == "cpu":
             return torch.float32
         model_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -39,7 +39,7 @@ def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dty
         return dtype
     if dtype in _DTYPES:
         return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, 'auto' or None, got {dtype!r}")
 
 
 def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=True):
@@ -75,8 +75,8 @@ class Config:
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
             ``nanovllm.engine.memory``).
-        dtype: "float32" | "float16" | "bfloat16" | torch dtype | None (the model's on GPU,
-            float32 on CPU).
+        dtype: "float32" | "float16" | "bfloat16" | torch dtype | None or "auto" (the model's on
+            GPU, float32 on CPU).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold

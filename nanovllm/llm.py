@@ -3,13 +3,15 @@ from nanovllm.engine.llm_engine import LLMEngine
 
 
 class LLM(LLMEngine):
-    """``LLM(model_dir, **config)``: see :class:`nanovllm.config.Config` for the options.
+    """``LLM(model, revision=None, download_dir=None, **config)``: ``model`` is a local directory or
+    a Hugging Face Hub id; see :class:`nanovllm.config.Config` for the options. vLLM's offline
+    API: ``generate``, ``chat``, ``get_tokenizer``, returning :class:`nanovllm.RequestOutput`.
 
     Example::
 
         llm = LLM("path/to/model", max_model_len=4096)
         out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
-        text = out[0]["text"]
+        text = out[0].outputs[0].text  # vLLM style; nano-vLLM's out[0]["text"] reads the same
 
     Use it as a context manager, or call :meth:`shutdown` (also run when the object is collected and at exit), to
     release GPU memory so another ``LLM`` can be built in the same process.

@@ -1,18 +1,20 @@
-"""Per-request sampling parameters, with vLLM's meanings."""
+"""Per-request sampling parameters, with vLLM's names, defaults and meanings."""
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def is_integer(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value):
-    if not is_integer(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+def _check_int(name: str, value, low: int, limit: str):
+    if not is_integer(value) or value < low:
+        raise ValueError(f"{name} must be an integer {limit}, got {value!r}")
 
 
 def _check_number(name: str, value, limit: str):
@@ -20,54 +22,171 @@ def _check_number(name: str, value, limit: str):
         raise ValueError(f"{name} must be a finite number {limit}, got {value!r}")
 
 
+def _check_bool(name: str, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _check_logprobs(name: str, value):
+    if value is not None and not (is_integer(value) and value >= -1):
+        raise ValueError(f"{name} must be None, an integer >= 0 (top-k) or -1 (the whole vocabulary), "
+                         f"got {value!r}")
+
+
+def _checked_list(name: str, value, item_ok, item_kind: str) -> list:
+    """``value`` as a new list whose items pass ``item_ok``, else ValueError naming ``name``."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of {item_kind}, got {value!r}")
+    items = list(value)
+    bad = [v for v in items if not item_ok(v)]
+    if bad:
+        raise ValueError(f"{name} must be a list of {item_kind}, got {bad[0]!r} in {items!r}")
+    return items
+
+
 @dataclass
 class SamplingParams:
-    """How one request is decoded.
+    """How one request is decoded; names, defaults and meanings are vLLM's (``vllm.SamplingParams``)
+    except ``max_tokens``, whose default stays nano-vLLM's 64 (vLLM's is 16).
 
     Attributes:
-        temperature: softmax temperature; ``0`` means exact greedy argmax. Must be >= 0.
+        temperature: softmax temperature, >= 0; below 1e-5 (vLLM's epsilon) decoding is greedy
+            (exact argmax of the penalised logits).
         top_p: nucleus sampling mass in (0, 1]; ``1`` disables it.
         top_k: keep the k most likely tokens; ``-1`` (or 0) disables it.
-        max_tokens: number of tokens to generate, >= 1.
+        max_tokens: tokens to generate, >= 1; ``None`` generates up to ``max_model_len``.
         ignore_eos: keep generating past end-of-sequence tokens.
-        stop_token_ids: extra token ids that end the request (the token is kept in the output).
-        seed: per-request random seed; ``None`` draws from the engine's generator.
+        stop_token_ids: token ids that end the request (kept in ``token_ids``); checked against
+            the vocabulary when the request is queued.
+        seed: per-request random seed; ``None`` draws from the engine's generator. With ``n > 1``
+            completion ``i`` uses ``seed + i`` (vLLM's rule).
+        n: completions per prompt, >= 1, returned together in one ``RequestOutput``.
+        stop: strings that end the request when they appear in the detokenized output (across
+            token boundaries); the text is cut before the stop string unless
+            ``include_stop_str_in_output``. A single string is taken as a list of one.
+        include_stop_str_in_output: keep the matched stop string in ``text``.
+        min_tokens: end-of-sequence, ``stop_token_ids`` and ``stop`` are ignored (eos and stop ids
+            are masked from sampling) until this many tokens are generated; <= max_tokens.
+        presence_penalty: subtracted from the logit of every token already generated, in [-2, 2]
+            (OpenAI's definition).
+        frequency_penalty: subtracted from a token's logit once per time it was generated, in
+            [-2, 2] (OpenAI's definition).
+        repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it
+            when positive and multiplied by it when negative (CTRL, Keskar et al. 2019; as
+            transformers' ``RepetitionPenaltyLogitsProcessor``); ``1`` disables it.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
+            most likely token's, in [0, 1]; ``0`` disables it.
+        logprobs: per generated token, the log-probabilities of the sampled token and of the
+            ``logprobs`` most likely tokens (``-1``: every token), from the model's distribution
+            before penalties, temperature, top-k, top-p and min-p (vLLM's default
+            "raw_logprobs"); ``None`` returns none.
+        prompt_logprobs: the same for every prompt token after the first (the first is None).
+            Such a request takes no prefix-cache hits: a cached position has no logits.
+        skip_special_tokens: leave special tokens out of ``text`` (``token_ids`` keeps them).
 
     Raises:
-        ValueError: a field outside its range, naming the field, the value and the limit.
+        ValueError: a field of the wrong type or outside its range, naming the field, the value
+            and the limit; the engine checks every field again when the request is queued.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self._check_sampling()
+        self._check_lengths()
+        self._check_penalties()
+        self._check_outputs()
+        if self.top_k == 0:
+            self.top_k = -1
+
+    def _check_sampling(self):
         _check_number("temperature", self.temperature, ">= 0")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         _check_number("top_p", self.top_p, "in (0, 1]")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if self.top_k == 0:
-            self.top_k = -1
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise ValueError(f"stop_token_ids must be a list of integer token ids, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not all(is_integer(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of integer token ids, got {self.stop_token_ids!r}")
+        if not is_integer(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        _check_number("min_p", self.min_p, "in [0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (is_integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be None or an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        _check_int("n", self.n, 1, ">= 1")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(f"seed + n - 1 must be <= {SEED_MAX} (completion i uses seed + i), got "
+                             f"seed={self.seed}, n={self.n}")
+
+    def _check_lengths(self):
+        if self.max_tokens is not None:
+            if not is_integer(self.max_tokens):
+                raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+            if self.max_tokens <= 0:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens, 0, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        _check_bool("ignore_eos", self.ignore_eos)
+        self.stop_token_ids = _checked_list("stop_token_ids", self.stop_token_ids,
+                                       lambda t: is_integer(t) and t >= 0, "integer token ids >= 0")
+        self.stop = _checked_list("stop", self.stop, lambda s: isinstance(s, str) and s != "",
+                             "non-empty strings")
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+    def _check_penalties(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def _check_outputs(self):
+        _check_logprobs("logprobs", self.logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    def clone(self) -> "SamplingParams":
+        """A validated copy made from the current field values (the engine queues this copy, so
+        a field edited after construction is checked, and later edits do not reach the request).
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature below vLLM's epsilon 1e-5: the exact argmax is taken."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -8,7 +8,8 @@ kwargs}], "engines": N (default 1), "rank_prompts": {rank: [[ids]]} (optional, r
 "prompts" on that rank)}``. Every rank builds ``LLM(model, tensor_parallel_size=WORLD_SIZE,
 **llm)``, generates and shuts it down, N times one after the other, and writes each engine's
 outputs' token ids to ``OUT_DIR/rank<RANK>.json`` (a list of N), or ``{"error": message}`` if
-generate raised a RuntimeError.
+generate raised a RuntimeError; and, per engine and request, the sampled tokens' logprobs and the
+prompt tokens' logprobs (None where not asked for) to ``OUT_DIR/rank<RANK>_logprobs.json``.
 """
 import json
 import os
@@ -24,15 +25,27 @@ def main():
     params = [SamplingParams(**p) for p in spec["params"]]
     world_size, rank = int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
     prompts = spec.get("rank_prompts", {}).get(rank, spec["prompts"])
-    result = []
+    result, logprobs = [], []
     try:
         for _ in range(spec.get("engines", 1)):
             with LLM(spec["model"], tensor_parallel_size=world_size, **spec["llm"]) as llm:
-                result.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                result.append([o["token_ids"] for o in outs])
+                logprobs.append([_logprobs(o) for o in outs])
     except RuntimeError as err:
         result = {"error": str(err)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    with open(os.path.join(out_dir, f"rank{rank}_logprobs.json"), "w") as f:
+        json.dump(logprobs, f)
+
+
+def _logprobs(out) -> dict:
+    """The logprob of each sampled token and of each prompt token after the first (or None)."""
+    c = out.outputs[0]
+    return {"sampled": None if c.logprobs is None else [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+            "prompt": None if out.prompt_logprobs is None else [
+                d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]}
 
 
 if __name__ == "__main__":

@@ -152,3 +152,31 @@ def run_torchrun(spec: dict, out_dir, nproc: int = 2, timeout: int = 900) -> lis
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             ranks.append(json.load(f))
     return ranks
+
+
+LOGPROB_TOL = 1e-4  # float32 logprobs against transformers'
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' log_softmax over the vocabulary at every position of ``ids`` (float32)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_logprobs(entry: dict, token: int, ref: torch.Tensor, k: int, tokenizer):
+    """One ``{token_id: Logprob}`` dict against transformers' log_softmax row ``ref``: the token
+    first, then the top-k by rank; values within LOGPROB_TOL; ranks and decoded tokens right."""
+    from nanovllm.outputs import Logprob
+
+    assert list(entry)[0] == token
+    assert len(entry) == (k if entry[token].rank <= k else k + 1)  # the token is one of the top-k, or added
+    ordered = ref.sort(descending=True).values
+    for t, lp in entry.items():
+        assert isinstance(lp, Logprob)
+        assert abs(lp.logprob - float(ref[t])) <= LOGPROB_TOL, (t, lp.logprob, float(ref[t]))
+        assert lp.decoded_token == tokenizer.decode([t])
+    value = float(ref[token])
+    lowest, highest = (int((ref > value + d).sum()) + 1 for d in (LOGPROB_TOL, -LOGPROB_TOL))
+    assert lowest <= entry[token].rank <= highest
+    for t, lp in list(entry.items())[1:]:
+        assert 1 <= lp.rank <= k and abs(float(ref[t]) - float(ordered[lp.rank - 1])) <= LOGPROB_TOL

@@ -195,14 +195,23 @@ def test_tensor_parallel_under_torchrun(llama_tied_dir, tmp_path):
     engine in the same processes does too (the process group outlives the first)."""
     prompts = [random_prompt(n, seed=280 + n) for n in (5, 300, 520)]
     params = [dict(temperature=0.0, max_tokens=12, ignore_eos=True),
-              dict(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7),
-              dict(temperature=0.0, max_tokens=3, ignore_eos=True)]
+              dict(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7, logprobs=2, repetition_penalty=1.2),
+              dict(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)]
     with build_llm(llama_tied_dir) as tp1:
         ref = tp1.generate(prompts, [SamplingParams(**p) for p in params], use_tqdm=False)
     spec = dict(model=str(llama_tied_dir), llm=ENGINE_DEFAULTS, prompts=prompts, params=params, engines=2)
     rank0, rank1 = run_torchrun(spec, tmp_path)
     assert rank0 == [token_ids(ref)] * 2
     assert rank1 == rank0
+    # Rank 0 computes the logprobs and broadcasts them: every rank returns the same, TP=1's.
+    logprobs = [json.loads((tmp_path / f"rank{r}_logprobs.json").read_text()) for r in (0, 1)]
+    assert logprobs[0] == logprobs[1]
+    sampled = [d[t].logprob for d, t in zip(ref[1].outputs[0].logprobs, ref[1]["token_ids"])]
+    prompt = [d[t].logprob for d, t in zip(ref[2].prompt_logprobs[1:], prompts[2][1:])]
+    for engine in logprobs[0]:
+        assert engine[0] == {"sampled": None, "prompt": None}
+        assert engine[1]["sampled"] == pytest.approx(sampled, abs=1e-4) and engine[1]["prompt"] is None
+        assert engine[2]["prompt"] == pytest.approx(prompt, abs=1e-4) and engine[2]["sampled"] is None
 
 
 @pytest.mark.slow

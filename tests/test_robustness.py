@@ -37,7 +37,7 @@ def _queued(engine) -> int:
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 1.5),              # generates 2 tokens
     ("max_tokens", float("inf")),     # runs to max_model_len
-    ("max_tokens", None),             # bare TypeError from '<='
+    ("max_tokens", "8"),              # bare TypeError from '<=' (None is valid: up to max_model_len)
     ("top_k", 2.5),                   # silently truncated to 2 in an int64 tensor
     ("temperature", float("inf")),    # silently uniform sampling
     ("temperature", "0.5"),           # bare TypeError from '>='

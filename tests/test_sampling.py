@@ -1,5 +1,4 @@
 """Sampling: greedy is exact argmax, seeds reproduce, stop conditions, top-k/top-p masking."""
-import inspect
 import json
 import math
 import os
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
-from nanovllm.layers.sampler import Sampler, _apply_top_k_top_p
+from nanovllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p
 
 from _util import EOS_ID, build_llm, greedy, random_prompt, token_ids
 
@@ -142,14 +141,12 @@ def test_max_model_len_caps_the_output(llm):
 # ---- Sampler unit tests ------------------------------------------------------------------
 
 def sample(logits, temperatures, top_k, top_p, generators):
-    """Call the Sampler with whatever host-side hints its signature asks for."""
-    params = inspect.signature(Sampler.forward).parameters
-    hints = {}
-    if "sampled_rows" in params:
-        hints["sampled_rows"] = (temperatures > 0).nonzero().squeeze(1).tolist()
-    if "needs_filter" in params:
-        hints["needs_filter"] = bool(((top_k > 0) | (top_p < 1)).any())
-    return Sampler()(logits, temperatures, top_k, top_p, generators, **hints)
+    """The Sampler's tokens for rows with these parameters (no penalties, no logprobs)."""
+    filters = bool(((top_k > 0) | (top_p < 1)).any())
+    params = SamplingTensors(temperatures.where(temperatures > 0, 1.0), top_k if filters else None,
+                             top_p if filters else None, None,
+                             sampled_rows=(temperatures > 0).nonzero().squeeze(1).tolist(), generators=generators)
+    return Sampler()(logits, params).tokens
 
 
 def reference_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

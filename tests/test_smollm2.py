@@ -178,3 +178,58 @@ def test_passkey_prompt_exact_length(tokenizer, target, depth):
 def test_passkey_prompt_too_short(tokenizer):
     with pytest.raises(ValueError, match="too small"):
         build_passkey_prompt(tokenizer, 20, 0.5, PASSKEY)
+
+
+# ---- vLLM's offline API on the real model --------------------------------------------------------
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llm, chat_ids, tokenizer, hf_model):
+    from nanovllm import SamplingParams
+
+    from _util import check_logprobs, hf_logprobs
+
+    prompt = chat_ids[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=5),
+                       use_tqdm=False)[0]
+    c = out.outputs[0]
+    ref = hf_logprobs(hf_model, prompt + c.token_ids)
+    for i, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        check_logprobs(entry, token, ref[len(prompt) - 1 + i], 5, tokenizer)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        check_logprobs(out.prompt_logprobs[j], prompt[j], ref[j - 1], 5, tokenizer)
+    assert c.cumulative_logprob == pytest.approx(float(sum(ref[len(prompt) - 1 + i, t]
+                                                           for i, t in enumerate(c.token_ids))), abs=1e-3)
+
+
+def test_chat_equals_generate_on_the_templated_prompt(llm, tokenizer):
+    from nanovllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    chats = llm.chat(conversations, sp, use_tqdm=False)
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    generated = llm.generate(texts, sp, use_tqdm=False)
+    for text, chat, gen, q in zip(texts, chats, generated, CHAT_PROMPTS):
+        assert chat.prompt == text and chat.prompt_token_ids == chat_prompt_ids(tokenizer, q)
+        assert chat.outputs[0].token_ids == gen.outputs[0].token_ids
+    single = llm.chat(conversations[0], sp, use_tqdm=False)
+    assert len(single) == 1 and single[0]["token_ids"] == chats[0]["token_ids"]
+    assert "Paris" in chats[0]["text"]
+
+
+def test_vllm_style_script_runs_unchanged(smollm2_dir, monkeypatch, capsys):
+    """examples/vllm_style.py is vLLM code (chat, n, stop, logprobs, prompt logprobs,
+    out.outputs[0].text) with only the import line changed; it runs and its answers make sense."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["vllm_style.py", "--model", smollm2_dir])
+    runpy.run_path(str(REPO_ROOT / "examples" / "vllm_style.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    completions = [line for line in lines if line.startswith("completion ")]
+    assert len(completions) == 4  # 2 prompts x n=2
+    assert all("\\n" not in line.split(": ", 1)[1].split(" [")[0] for line in completions)  # cut at the stop string
+    assert any("Paris" in line for line in completions if "France" in line)
+    chat = next(line for line in lines if line.startswith("chat: "))
+    assert "Paris" in chat
+    score = float(next(line for line in lines if line.startswith("score: ")).split()[1])
+    assert -60 < score < 0

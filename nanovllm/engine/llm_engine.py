@@ -2,6 +2,7 @@
 import logging
 import time
 import weakref
+from dataclasses import replace
 from multiprocessing import get_context
 
 import torch
@@ -9,12 +10,17 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
+from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.output_builder import OutputBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stopping import IncrementalDetokenizer
 from nanovllm.engine.tp_worker import (check_same_calls, new_shm_name, rendezvous_store, torchrun_rank,
                                        wait_for_workers)
+from nanovllm.hub import resolve_model
 from nanovllm.kvcache.block_manager import BlockManager
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
 logger = logging.getLogger(__name__)
@@ -36,14 +42,19 @@ def eos_token_ids(model: str, tokenizer) -> list[int]:
 class LLMEngine:
     """Offline inference engine (see :class:`nanovllm.LLM` for the arguments).
 
+    ``model`` is a local directory or a Hugging Face Hub id (downloaded at ``revision`` into
+    ``download_dir``, see :func:`nanovllm.hub.resolve_model`).
+
     With ``tensor_parallel_size > 1`` in a plain process, this process is rank 0 and spawns
     the other ranks on this host. Under torchrun every rank builds its own engine with the same
     arguments and must make the same calls; ``generate`` returns the same outputs on every rank.
     """
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs):
+        model = resolve_model(model, revision, download_dir)
         self.config = config = Config(model, **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._outputs = OutputBuilder(self.tokenizer)
         config.eos_token_ids = eos_token_ids(model, self.tokenizer)
         self._workers, self._generators = [], {}
         launch = torchrun_rank()
@@ -91,15 +102,12 @@ class LLMEngine:
         return Scheduler(self.config, BlockManager(sizes.gpu_blocks, self.config.kvcache_block_size, sizes.host_blocks))
 
     # ---- requests ----------------------------------------------------------------------
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif hasattr(prompt, "tolist"):  # numpy array or tensor
-            ids = prompt.tolist()
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenizer.encode(prompt.text) if prompt.token_ids is None else prompt.token_ids
         self._validate(ids)
         return ids
 
@@ -119,17 +127,41 @@ class LLMEngine:
         if len(ids) > capacity:
             raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {capacity}")
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id.
+    def _queue_params(self, params, name: str) -> SamplingParams:
+        """A validated copy of ``params`` to queue (every field checked again, so an edit made
+        after construction is caught), with the checks that need the model's vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{name} must be a SamplingParams, got {type(params).__name__}")
+        try:
+            params = params.clone()
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: stop_token_ids has token id {bad[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, field)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}: {field}={k} is more than the vocabulary's {self.vocab_size} tokens")
+        return params
+
+    def add_request(self, prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request (one completion: ``n`` must be 1) in any prompt form ``generate``
+        takes; returns its sequence id. :meth:`step` returns it when it finishes.
 
         Raises:
             ValueError: empty prompt, prompt longer than ``max_model_len``, token id outside the
-                vocabulary. RuntimeError: the prompt cannot fit in the KV cache.
+                vocabulary, a bad SamplingParams field, ``n > 1``. RuntimeError: the prompt cannot
+                fit in the KV cache.
         """
         self._check_open()
         self._check_same_calls(prompt, sampling_params)
-        _check_params(0, sampling_params)
-        return self._add(self._token_ids(prompt), sampling_params)
+        params = self._queue_params(sampling_params, "sampling_params")
+        if params.n != 1:
+            raise ValueError(f"add_request queues one completion (n=1), got n={params.n}; generate() and "
+                             f"chat() take n > 1")
+        return self._add(self._token_ids(parse_prompt(prompt)), params)
 
     def _check_same_calls(self, prompts, sampling_params):
         """torchrun: the ranks' arguments must agree (checked before anything can raise on one
@@ -141,13 +173,22 @@ class LLMEngine:
         if not self._finalizer.alive:
             raise RuntimeError("this engine has been shut down; create a new LLM")
 
-    def _add(self, ids: list[int], sampling_params: SamplingParams) -> int:
-        gen = None
-        if sampling_params.seed is not None:
-            gen = torch.Generator(self.model_runner.device).manual_seed(sampling_params.seed)
-        seq = Sequence(ids, sampling_params, self.config.kvcache_block_size)
-        if gen is not None:
-            self._generators[seq.seq_id] = gen
+    def _check_idle(self):
+        """generate() and chat() return their own requests' outputs only; requests queued with
+        add_request() are returned by step(). Rather than run those to completion unseen, the
+        two ways are not mixed."""
+        if not self.scheduler.is_finished():
+            queued = len(self.scheduler.waiting) + len(self.scheduler.running)
+            raise RuntimeError(f"generate() and chat() need an idle engine, but {queued} requests queued with "
+                               f"add_request() are unfinished; call step() until is_finished() (step() returns "
+                               f"them as they finish) before calling generate() or chat()")
+
+    def _add(self, ids: list[int], params: SamplingParams) -> int:
+        seq = Sequence(ids, params, self.config.kvcache_block_size)
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        if params.seed is not None:
+            self._generators[seq.seq_id] = torch.Generator(self.model_runner.device).manual_seed(params.seed)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -162,8 +203,9 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        tokens = self.model_runner.run(seqs, is_prefill, self._generators, self.scheduler.take_spills())
-        finished = self.scheduler.postprocess(seqs, tokens)
+        out = self.model_runner.run(seqs, is_prefill, self._generators, self.scheduler.take_spills())
+        out.record(seqs)
+        finished = self.scheduler.postprocess(seqs, out.token_ids)
         for seq in finished:
             self._generators.pop(seq.seq_id, None)
         return finished, num_tokens
@@ -172,41 +214,76 @@ class LLMEngine:
         return self.scheduler.is_finished()
 
     # ---- batch API ---------------------------------------------------------------------
-    def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate completions for ``prompts`` (strings or token-id lists).
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for ``prompts``: one prompt or a list, each a string, a list of
+        token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms).
+        ``sampling_params``: one for all prompts, one per prompt, or None (the defaults).
 
-        Returns ``[{"text", "token_ids", "finish_reason"}]`` in input order. Every prompt is
-        validated before any is queued, so a bad prompt raises (ValueError / RuntimeError naming
-        the value and the limit) and leaves the engine serving what it already had.
+        Returns one :class:`nanovllm.outputs.RequestOutput` per prompt, in input order, with
+        its ``n`` completions; ``out["text"]`` / ``out["token_ids"]`` / ``out["finish_reason"]``
+        read the first completion (nano-vLLM's dict style).
+
+        Raises:
+            ValueError: ``prompts`` or a prompt of a wrong form, empty, longer than
+                ``max_model_len`` or with ids outside the vocabulary; a bad SamplingParams.
+                Everything is checked before anything is queued, so the engine keeps serving.
+            RuntimeError: a prompt that cannot fit in the KV cache; requests queued with
+                ``add_request`` are still unfinished.
         """
         self._check_open()
         self._check_same_calls(prompts, sampling_params)
-        if isinstance(prompts, str) or (prompts and is_integer(prompts[0])):
-            prompts = [prompts]
+        return self._generate(parse_prompts(prompts), sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` message dicts)
+        or a list of conversations, through the tokenizer's chat template (or ``chat_template``).
+        As vLLM, the templated text is tokenized without adding special tokens (the template
+        has them). Returns one RequestOutput per conversation, ``prompt`` the templated text.
+
+        Raises:
+            ValueError: ``messages`` is not a conversation or a list of them; the tokenizer has
+                no chat template and none is given; as :meth:`generate`.
+        """
+        self._check_open()
+        self._check_same_calls(messages, (sampling_params, chat_template, add_generation_prompt))
+        prompts = []
+        for conversation in parse_conversations(messages):
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+            prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        for i, sp in enumerate(sampling_params):
-            _check_params(i, sp)
+        if not isinstance(sampling_params, (list, tuple)):
+            return [self._queue_params(sampling_params, "sampling_params")] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"{len(sampling_params)} sampling params for {num_prompts} prompts")
+        return [self._queue_params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
+
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        self._check_idle()
+        params = self._params_per_prompt(sampling_params, len(prompts))
         token_ids = [self._token_ids(p) for p in prompts]
-        seq_ids = []
+        groups, seq_ids = [], []
         try:
-            for ids, sp in zip(token_ids, sampling_params):
-                seq_ids.append(self._add(ids, sp))
-            results = self._run_until_done(set(seq_ids), use_tqdm)
+            for ids, sp in zip(token_ids, params):
+                groups.append([self._add(ids, child) for child in _completions(sp)])
+                seq_ids += groups[-1]
+            finished = self._run_until_done(set(seq_ids), use_tqdm)
         except BaseException:
             for seq_id in seq_ids:
                 self._generators.pop(seq_id, None)
             self.scheduler.abort(set(seq_ids))
             raise
-        return [results[i] for i in seq_ids]
+        return [self._outputs.request(str(group[0]), prompt.text, [finished[i] for i in group])
+                for prompt, group in zip(prompts, groups)]
 
-    def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, dict]:
+    def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, Sequence]:
         results = {}
         bar = tqdm(total=len(pending), desc="Generating", dynamic_ncols=True,
                    disable=not use_tqdm or self.rank > 0)
@@ -218,10 +295,7 @@ class LLMEngine:
             prefill_tps, decode_tps = (rate, decode_tps) if num_tokens > 0 else (prefill_tps, rate)
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
             for seq in finished:
-                results[seq.seq_id] = {
-                    "text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-                    "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                    "num_cached_tokens": seq.num_cached_tokens}
+                results[seq.seq_id] = seq
                 bar.update(1)
         bar.close()
         return results
@@ -280,17 +354,19 @@ class LLMEngine:
 
 
 def _as_lists(prompts):
-    """Arrays and tensors as lists, whose repr shows every id (an array's repr elides)."""
-    if hasattr(prompts, "tolist"):
-        return prompts.tolist()
+    """``prompts`` with every array or tensor in it (one level down) as a list."""
     if isinstance(prompts, (list, tuple)):
-        return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
-    return prompts
+        return [as_list(p) for p in prompts]
+    return as_list(prompts)
 
 
-def _check_params(index: int, params) -> None:
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
+def _completions(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` one-completion params of a request (vLLM's rule: completion i's seed is
+    seed + i; prompt logprobs are computed once, by completion 0)."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
 
 
 def _shutdown(model_runner: ModelRunner, workers: list):

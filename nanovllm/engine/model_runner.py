@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine import memory
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
+from nanovllm.engine.sampling_batch import LogitRows, StepOutput, StepSampler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import (RankChannel, destroy_process_group, init_process_group, join,
                                        torchrun_rank)
@@ -23,14 +24,11 @@ from nanovllm.kvcache.cache import KVCache
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
-
-_WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class ModelRunner:
@@ -57,6 +55,8 @@ class ModelRunner:
             self.model = self._build_model()
             self.sampler = Sampler()
             self.generator = torch.Generator(self.device).manual_seed(config.seed)
+            self.step_sampler = StepSampler(self.sampler, self.generator, config.eos_token_ids, rank,
+                                            broadcast=self.world_size > 1 and channel_name is None)
             cuda = self.device.type == "cuda"
             layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.cache = KVCache(config, layers, self.device, captured_batch_sizes(config.max_num_seqs) if cuda else None)
@@ -178,44 +178,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, generators: dict[int, torch.Generator] | None = None,
-            spills: list[tuple[int, int]] = ()) -> list[int | None]:
+            spills: list[tuple[int, int]] = ()) -> StepOutput | list:
         """One step for ``seqs``, after copying the scheduler's ``spills`` (``(GPU block, host
-        block)``) to the host tier; a sampled token per sequence (None for an unfinished prefill
-        chunk). Rank 0 samples; the other ranks return an empty list."""
+        block)``) to the host tier: a sampled token per sequence (None for an unfinished prefill
+        chunk) and the logprobs asked for. Rank 0 samples; spawned workers return an empty list."""
         if self.channel is not None and self.rank == 0:
             self.channel.send("run", seqs, is_prefill, None, spills)
         self.cache.begin_step(spills)
         input_ids, positions, sample_idx = self.cache.prepare(seqs, is_prefill)
+        rows = LogitRows(seqs, sample_idx, is_prefill)
         try:
-            logits = self.run_model(input_ids, positions, is_prefill, sample_idx)
+            logits = self.run_model(input_ids, positions, is_prefill, rows.indices)
         finally:
             self.cache.finish_step()
-        if not sample_idx:
-            return [None] * len(seqs)
+        if not rows.indices:
+            return StepOutput([None] * len(seqs))
         if self.channel is not None and self.rank > 0:
             return []  # a spawned worker: rank 0 samples
-        sampled_seqs = [seq for seq in seqs if not is_prefill or self._finishes_prefill(seq)]
-        if self.rank == 0:
-            tokens = self._sample(logits, sampled_seqs, generators)
-        else:
-            tokens = torch.empty(len(sampled_seqs), dtype=torch.int64, device=self.device)
-        if self.world_size > 1 and self.channel is None:  # torchrun: all take rank 0's tokens
-            dist.broadcast(tokens, src=0)
-        tokens = iter(tokens.tolist())
-        return [next(tokens) if not is_prefill or self._finishes_prefill(seq) else None
-                for seq in seqs]
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], generators) -> torch.Tensor:
-        params = [seq.sampling_params for seq in seqs]
-        temperatures = to_device([p.temperature for p in params], torch.float32, self.device)
-        top_k = to_device([p.top_k for p in params], torch.int64, self.device)
-        top_p = to_device([p.top_p for p in params], torch.float32, self.device)
-        rows = {row: generators[seq.seq_id] for row, seq in enumerate(seqs)
-                if generators and seq.seq_id in generators}
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        needs_filter = any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows)
-        return self.sampler(logits, temperatures, top_k, top_p, rows, sampled_rows,
-                            needs_filter, self.generator)
+        sampled = [not is_prefill or self._finishes_prefill(seq) for seq in seqs]
+        return self.step_sampler(logits, rows, seqs, sampled, generators)
 
     @staticmethod
     def _finishes_prefill(seq: Sequence) -> bool:

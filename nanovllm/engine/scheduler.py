@@ -4,6 +4,7 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stopping import check_stop
 from nanovllm.kvcache.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,5 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        reason, seq.stop_reason = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+        return reason

@@ -5,6 +5,10 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+# One token's logprobs as the sampler returns them: (token ids: the token itself then the top-k,
+# their log-probabilities, the token's rank); turned into vLLM's Logprob dicts for the output.
+LogprobEntry = tuple[list[int], list[float], int]
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -66,13 +70,19 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.detokenizer = None  # an IncrementalDetokenizer when the request has stop strings
+        self.num_prompt_logprobs = sampling_params.prompt_logprobs
+        self.logprobs: list[LogprobEntry] = []  # per generated token, when asked for
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[LogprobEntry] = []  # per prompt token after the first
 
     def __len__(self):
         return len(self.token_ids)
 
     # What a spawned tensor-parallel worker reads to build a step's inputs; it never samples.
     _WORKER_FIELDS = ("seq_id", "num_prompt_tokens", "block_size", "block_table", "host_block_table",
-                      "num_cached_tokens", "num_computed_tokens", "num_scheduled_tokens")
+                      "num_cached_tokens", "num_computed_tokens", "num_scheduled_tokens", "num_prompt_logprobs")
 
     def __getstate__(self):
         """Pickled for the spawned TP workers each step, on the step's critical path: only this
@@ -109,6 +119,16 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_completion_tokens == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and they are not collected yet (they are, once
+        the prompt is prefilled: a preempted sequence recomputes without them)."""
+        return self.num_prompt_logprobs is not None and self.num_completion_tokens == 0
+
+    def add_logprobs(self, entry: LogprobEntry):
+        self.logprobs.append(entry)
+        self.cumulative_logprob += entry[1][0]
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""

@@ -150,6 +150,8 @@ class BlockManager:
 
     # ---- admission ---------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        if seq.needs_prompt_logprobs:  # cached positions have no logits: compute the whole prompt
+            return []
         hits, h, parent = [], -1, -1
         for i in range(len(seq) // self.block_size):
             token_ids = seq.block(i)

@@ -1,6 +1,128 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, mixed in one batch."""
+"""Token sampling for a batch of rows with mixed parameters, on the device, following vLLM's V1
+sampler: raw log-probabilities, penalties and min_tokens masking, greedy argmax, then temperature,
+min-p, top-k / top-p and the exponential race. Every stage is a whole-batch tensor op and is
+skipped when no row of the batch uses it (the host flags of :class:`SamplingTensors`)."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass
+class Penalties:
+    """Per-row penalties (vLLM's ``apply_penalties``) and the tokens they count.
+
+    ``repetition``, ``presence``, ``frequency``: float32 ``[rows]`` (1, 0, 0 for rows without).
+    ``prompt``, ``output``: (row index int64 ``[m]``, token id int64 ``[m]``) pairs listing each
+    row's prompt tokens and generated tokens (with repeats; empty for rows without penalties).
+    """
+
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    prompt: tuple[torch.Tensor, torch.Tensor]
+    output: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class SamplingTensors:
+    """One step's sampling parameters, one row per sampled sequence.
+
+    Device tensors: ``temperatures`` float32 ``[rows]`` (greedy rows hold 1.0, unused);
+    ``top_k`` int64 and ``top_p`` float32 ``[rows]`` (None when no sampled row filters);
+    ``min_p`` float32 ``[rows]`` (None when no sampled row uses it). Host values, computed once
+    per batch so that unused stages cost nothing: ``sampled_rows`` (rows with temperature >=
+    1e-5; the others take the argmax), ``generators`` (row -> the request's seeded generator),
+    ``penalties`` (None when no row has any), ``banned`` ((row, token id) int64 pairs masked to
+    -inf before sampling: eos and stop ids of rows below ``min_tokens``; None when none),
+    ``logprob_rows`` (rows whose request asked for logprobs) and ``num_logprobs`` (top-k width
+    returned for them: the largest k asked in the batch).
+    """
+
+    temperatures: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    sampled_rows: list[int]
+    generators: dict[int, torch.Generator]
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logprob_rows: list[int] | None = None
+    num_logprobs: int = 0
+
+
+@dataclass
+class LogprobsTensors:
+    """vLLM's ``LogprobsTensors``: per row, ``token_ids`` int64 ``[rows, 1 + k]`` (column 0 the
+    sampled or prompt token, then the top-k in descending order), their ``logprobs`` float32
+    ``[rows, 1 + k]`` (natural log), and ``ranks`` int64 ``[rows]`` of column 0's token (1 + the
+    number of tokens with a higher log-probability)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+    @staticmethod
+    def empty(rows: int, k: int, device) -> "LogprobsTensors":
+        """Uninitialised tensors of the shapes ``compute_logprobs`` returns (for a broadcast)."""
+        return LogprobsTensors(torch.empty(rows, 1 + k, dtype=torch.int64, device=device),
+                               torch.empty(rows, 1 + k, dtype=torch.float32, device=device),
+                               torch.empty(rows, dtype=torch.int64, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.token_ids, self.logprobs, self.ranks
+
+    def tolist(self) -> list[tuple[list[int], list[float], int]]:
+        """Per row ``(token ids, logprobs, rank)`` as Python values (one device sync)."""
+        return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
+
+
+@dataclass
+class SamplerOutput:
+    """``tokens`` int64 ``[rows]`` and, when some row asked for them, the logprobs of the rows in
+    ``SamplingTensors.logprob_rows`` (in that order)."""
+
+    tokens: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """log_softmax of ``logits`` float ``[rows, vocab]``: the entries of ``token_ids`` int64
+    ``[rows]``, their ranks, and the top-``k`` tokens (vLLM's ``gather_logprobs``)."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(-1) + 1
+    top = logprobs.topk(k, dim=-1)
+    return LogprobsTensors(torch.cat([token_ids.unsqueeze(1), top.indices], 1),
+                           torch.cat([chosen, top.values], 1), ranks)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (multiplicative, as transformers'
+    ``RepetitionPenaltyLogitsProcessor``), then frequency and presence penalties over output
+    tokens (additive, OpenAI's definition): ``logit - frequency * count - presence * (count > 0)``.
+    Out of place; results are clamped to float32's finite range, so no value becomes -inf."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab, dtype=torch.float32, device=logits.device)
+    counts.index_put_(penalties.output, torch.ones_like(penalties.output[1], dtype=torch.float32),
+                      accumulate=True)
+    generated = counts > 0
+    seen = generated.index_put(penalties.prompt, torch.ones_like(penalties.prompt[1], dtype=torch.bool))
+    rep = penalties.repetition.unsqueeze(1)
+    penalised = torch.where(logits < 0, logits * rep, logits / rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - penalties.frequency.unsqueeze(1) * counts - penalties.presence.unsqueeze(1) * generated
+    return logits.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf the tokens whose probability is below ``min_p`` times the row's largest
+    (vLLM's ``MinPLogitsProcessor``; ``min_p`` 0 keeps every token)."""
+    probs = logits.softmax(-1)
+    drop = probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -19,34 +141,51 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 class Sampler(nn.Module):
-    """logits float ``[batch, vocab]`` -> token ids int64 ``[batch]``.
+    """logits float ``[rows, vocab]`` + :class:`SamplingTensors` -> :class:`SamplerOutput`.
 
     Sampled rows use the exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1),
-    drawn from the row's own generator when its request has a seed. Rows with temperature 0 take
-    the exact argmax of the logits. ``generators`` maps a batch row to its seeded generator.
+    drawn from the row's own generator when its request has a seed, else from ``generator`` (the
+    engine's). Greedy rows take the exact argmax of the penalised, masked logits. Logprobs come
+    from the logits as given (before penalties and temperature: vLLM's "raw_logprobs").
     """
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, generators: dict[int, torch.Generator],
-                sampled_rows: list[int], needs_filter: bool,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """``sampled_rows``: rows with temperature > 0 (host list, so no device sync);
-        ``needs_filter``: some sampled row has top-k or top-p (else the vocab sort is skipped);
-        ``generator``: the engine's generator for rows without a seed of their own."""
-        logits = logits.float()
-        greedy_tokens = logits.argmax(-1)
-        if not sampled_rows:
-            return greedy_tokens
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        scaled = logits[rows] / temperatures[rows].unsqueeze(1)
-        if needs_filter:
-            scaled = _apply_top_k_top_p(scaled, top_k[rows], top_p[rows])
+    def forward(self, logits: torch.Tensor, params: SamplingTensors,
+                generator: torch.Generator | None = None) -> SamplerOutput:
+        raw = logits = logits.float()
+        if params.penalties is not None:
+            logits = apply_penalties(logits, params.penalties)
+        if params.banned is not None:
+            logits = logits.index_put(params.banned, torch.tensor(float("-inf"), device=logits.device))
+        tokens = logits.argmax(-1)
+        if params.sampled_rows:
+            tokens = self._sample(logits, tokens, params, generator)
+        return SamplerOutput(tokens, self._logprobs(raw, tokens, params))
+
+    @staticmethod
+    def _sample(logits, greedy_tokens, params: SamplingTensors, generator) -> torch.Tensor:
+        rows = params.sampled_rows
+        index = torch.tensor(rows, device=logits.device)
+        scaled = logits[index] / params.temperatures[index].unsqueeze(1)
+        if params.min_p is not None:
+            scaled = apply_min_p(scaled, params.min_p[index])
+        if params.top_k is not None:
+            scaled = _apply_top_k_top_p(scaled, params.top_k[index], params.top_p[index])
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
-        for i, row in enumerate(sampled_rows):
-            if row in generators:
-                gen = generators[row]
+        for i, row in enumerate(rows):
+            if row in params.generators:
+                gen = params.generators[row]
                 noise[i] = torch.empty(probs.size(1), device=gen.device).exponential_(generator=gen)
         tokens = greedy_tokens.clone()
-        tokens[rows] = (probs / noise).argmax(-1)
+        tokens[index] = (probs / noise).argmax(-1)
         return tokens
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: SamplingTensors) -> LogprobsTensors | None:
+        rows = params.logprob_rows
+        if not rows:
+            return None
+        if len(rows) < raw.size(0):
+            index = torch.tensor(rows, device=raw.device)
+            raw, tokens = raw[index], tokens[index]
+        return compute_logprobs(raw, tokens, params.num_logprobs)

@@ -45,8 +45,7 @@ def _prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
 
 def _generate(model_dir: str, prompts, **kwargs) -> list[list[int]]:
     with LLM(model_dir, **kwargs) as llm:
-        assert (llm.model_runner.graphs is not None) == (not kwargs.get("enable_cpu_offload")
-                                                          and not kwargs.get("enforce_eager"))
+        assert (llm.model_runner.graphs is not None) == (not kwargs.get("enforce_eager"))
         outputs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
     return [o["token_ids"] for o in outputs]
 

@@ -1,0 +1,82 @@
+"""The prompt forms ``generate`` takes (vLLM's and nano-vLLM's) and ``chat``'s conversations,
+checked and brought to one form before anything is tokenized or queued."""
+from typing import NamedTuple
+
+from nanovllm.sampling_params import is_integer
+
+PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [ids]}"
+
+
+class Prompt(NamedTuple):
+    """One prompt: its ``text`` (None when given as ids) and/or its ``token_ids`` (None when the
+    text still has to be tokenized)."""
+
+    text: str | None
+    token_ids: list | None
+
+
+def as_list(value):
+    """Arrays and tensors as (nested) Python lists, also as a dict prompt's values; anything else
+    unchanged (a list's repr shows every id, an array's elides)."""
+    if isinstance(value, dict):
+        return {key: as_list(v) for key, v in value.items()}
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def parse_prompt(prompt) -> Prompt:
+    """One prompt in any accepted form.
+
+    Raises:
+        ValueError: ``prompt`` has none of the accepted forms, or a dict prompt has keys other
+            than exactly one of "prompt" and "prompt_token_ids".
+    """
+    prompt = as_list(prompt)
+    if isinstance(prompt, str):
+        return Prompt(prompt, None)
+    if isinstance(prompt, (list, tuple)):
+        return Prompt(None, list(prompt))
+    if isinstance(prompt, dict):
+        keys = sorted(prompt, key=str)
+        if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+            return Prompt(prompt["prompt"], None)
+        if keys == ["prompt_token_ids"] and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            return Prompt(None, list(prompt["prompt_token_ids"]))
+        raise ValueError(f"a prompt must be a string or a list of token ids, got a dict with keys {keys} "
+                         f"(a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': [ids]}}; other keys, "
+                         f"e.g. multi-modal data, are not supported)")
+    raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                     f"(accepted: {PROMPT_FORMS})")
+
+
+def parse_prompts(prompts) -> list[Prompt]:
+    """``generate``'s ``prompts``: one prompt or a list of them (an empty list gives no prompts).
+
+    Raises:
+        ValueError: ``prompts`` is neither, naming the argument; or a prompt in it is malformed.
+    """
+    prompts = as_list(prompts)
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and is_integer(prompts[0])):
+        return [parse_prompt(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt ({PROMPT_FORMS}) or a list of prompts, "
+                         f"got {type(prompts).__name__}: {prompts!r:.80}")
+    return [parse_prompt(p) for p in prompts]
+
+
+def parse_conversations(messages) -> list[list[dict]]:
+    """``chat``'s ``messages``: one conversation (a list of message dicts such as
+    ``{"role": "user", "content": "Hi"}``) or a list of conversations.
+
+    Raises:
+        ValueError: ``messages`` is neither, naming the argument.
+    """
+    conversations = messages if isinstance(messages, (list, tuple)) and messages and all(
+        isinstance(c, (list, tuple)) for c in messages) else [messages]
+    for conversation in conversations:
+        if not isinstance(conversation, (list, tuple)) or not conversation or not all(
+                isinstance(m, dict) for m in conversation):
+            raise ValueError("messages must be a conversation (a non-empty list of message dicts such as "
+                             "{'role': 'user', 'content': 'Hi'}) or a list of conversations, "
+                             f"got {messages!r:.80}")
+    return [list(c) for c in conversations]

@@ -1,0 +1,217 @@
+"""One step's sampling, engine side: which hidden rows need logits (:class:`LogitRows`), the
+batch's SamplingParams as device tensors (:func:`sampling_tensors`), and the step's results per
+sequence (:class:`StepSampler` -> :class:`StepOutput`).
+
+Rank 0 samples. Under torchrun the other ranks take rank 0's tokens and logprobs by broadcast
+(every rank's scheduler must see the same tokens); their shapes follow from the sequences' params,
+which every rank has. Spawned tensor-parallel workers never get here (they return no tokens).
+"""
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.engine.sequence import LogprobEntry, Sequence
+from nanovllm.layers.sampler import (FLOAT32_MAX, LogprobsTensors, Penalties, Sampler, SamplerOutput,
+                                     SamplingTensors, compute_logprobs)
+from nanovllm.sampling_params import SamplingParams
+
+
+def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
+def logprobs_width(k: int | None, vocab_size: int) -> int:
+    """Top-k width of a ``logprobs`` / ``prompt_logprobs`` value (-1: the whole vocabulary)."""
+    return vocab_size if k == -1 else min(k or 0, vocab_size)
+
+
+class LogitRows:
+    """The hidden-state rows of one step that get logits, computed from the sequences alone (on
+    every rank: the LM head gathers across ranks, so all must ask for the same rows).
+
+    ``indices`` (ascending): the sampled rows ``sample_idx`` and, in a prefill step, the rows
+    whose next token is a prompt token of a request with ``prompt_logprobs`` still to collect.
+    ``spans``: per such sequence ``(index in the batch, first position, number of rows)``.
+    """
+
+    def __init__(self, seqs: list[Sequence], sample_idx: list[int], is_prefill: bool):
+        self.sample_idx, self.spans = sample_idx, []
+        prompt_rows = []
+        if is_prefill and any(seq.needs_prompt_logprobs for seq in seqs):
+            offset = 0
+            for i, seq in enumerate(seqs):
+                start = seq.num_computed_tokens
+                end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+                if seq.needs_prompt_logprobs and end > start:
+                    prompt_rows += range(offset, offset + end - start)
+                    self.spans.append((i, start, end - start))
+                offset += seq.num_scheduled_tokens
+        self.indices, self._sample_pos, self._prompt_pos = sample_idx, [], []
+        if prompt_rows:
+            self.indices = sorted(sample_idx + prompt_rows)
+            where = {row: j for j, row in enumerate(self.indices)}
+            self._sample_pos = [where[row] for row in sample_idx]
+            self._prompt_pos = [where[row] for row in prompt_rows]
+
+    def split(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits ``[len(indices), vocab]`` -> (rows to sample, rows of prompt logprobs or None)."""
+        if not self._prompt_pos:
+            return logits, None
+        return (logits[_to_device(self._sample_pos, torch.int64, logits.device)],
+                logits[_to_device(self._prompt_pos, torch.int64, logits.device)])
+
+
+def _penalties(seqs: list[Sequence], rows: list[int], device) -> Penalties:
+    params = [seq.sampling_params for seq in seqs]
+    prompt_rows, prompt_tokens, output_rows, output_tokens = [], [], [], []
+    for i in rows:
+        seq = seqs[i]
+        if params[i].repetition_penalty != 1.0:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            prompt_rows += [i] * len(prompt)
+            prompt_tokens += prompt
+        output = seq.completion_token_ids
+        output_rows += [i] * len(output)
+        output_tokens += output
+    floats = [[min(p.repetition_penalty, FLOAT32_MAX), p.presence_penalty, p.frequency_penalty] for p in params]
+    repetition, presence, frequency = _to_device(floats, torch.float32, device).unbind(1)
+    ints = partial(_to_device, dtype=torch.int64, device=device)
+    return Penalties(repetition, presence, frequency, (ints(prompt_rows), ints(prompt_tokens)),
+                     (ints(output_rows), ints(output_tokens)))
+
+
+def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device):
+    """(row, token) pairs of the eos and stop ids that rows below ``min_tokens`` may not sample."""
+    rows, tokens = [], []
+    for i, seq in enumerate(seqs):
+        params = seq.sampling_params
+        if seq.num_completion_tokens < params.min_tokens:
+            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            stop = sorted(t for t in stop if t < vocab_size)
+            rows += [i] * len(stop)
+            tokens += stop
+    if not rows:
+        return None
+    return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
+
+
+def _logprob_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[int], int]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    return rows, max((logprobs_width(params[i].logprobs, vocab_size) for i in rows), default=0)
+
+
+def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: list[int],
+                     generators: dict[int, torch.Generator] | None, vocab_size: int) -> SamplingTensors:
+    """The sampled sequences' params as :class:`SamplingTensors`: the host flags are computed once
+    per batch from the params (no device sync), and a tensor is built only for a stage some row
+    uses, so a batch with default params pays for nothing it does not use."""
+    params = [seq.sampling_params for seq in seqs]
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    temperatures = top_k = top_p = min_p = None
+    if sampled_rows:
+        temperatures = _to_device([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params],
+                                  torch.float32, device)
+        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows):
+            top_k = _to_device([p.top_k for p in params], torch.int64, device)
+            top_p = _to_device([p.top_p for p in params], torch.float32, device)
+        if any(params[i].min_p > 0 for i in sampled_rows):
+            min_p = _to_device([p.min_p for p in params], torch.float32, device)
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    logprob_rows, num_logprobs = _logprob_rows(params, vocab_size)
+    return SamplingTensors(
+        temperatures, top_k, top_p, min_p, sampled_rows,
+        generators={row: generators[seq.seq_id] for row, seq in enumerate(seqs)
+                    if generators and seq.seq_id in generators},
+        penalties=_penalties(seqs, penalised, device) if penalised else None,
+        banned=_banned(seqs, eos_token_ids, vocab_size, device) if any(p.min_tokens for p in params) else None,
+        logprob_rows=logprob_rows, num_logprobs=num_logprobs)
+
+
+@dataclass
+class StepOutput:
+    """One step's results per sequence of the batch: ``token_ids`` (None for a prefill chunk that
+    does not end its prompt), and, when some sequence asked for them, ``logprobs`` (the sampled
+    token's entry, or None) and ``prompt_logprobs`` (this chunk's prompt entries, or None)."""
+
+    token_ids: list[int | None]
+    logprobs: list[LogprobEntry | None] | None = None
+    prompt_logprobs: list[list[LogprobEntry] | None] | None = None
+
+    def record(self, seqs: list[Sequence]) -> None:
+        """Append the logprob entries to their sequences."""
+        for seq, entry in zip(seqs, self.logprobs or ()):
+            if entry is not None:
+                seq.add_logprobs(entry)
+        for seq, entries in zip(seqs, self.prompt_logprobs or ()):
+            if entries is not None:
+                seq.prompt_logprobs += entries
+
+
+class StepSampler:
+    """Turns one step's logits into a :class:`StepOutput` (see the module docstring).
+
+    Args: the :class:`Sampler`; the engine's ``generator`` (rows without a seed); the model's eos
+    ids (masked below ``min_tokens``); this process's ``rank``; ``broadcast``: torchrun
+    tensor parallelism (rank 0's results are broadcast to every rank).
+    """
+
+    def __init__(self, sampler: Sampler, generator: torch.Generator, eos_token_ids: list[int],
+                 rank: int, broadcast: bool):
+        self.sampler, self.generator, self.eos_token_ids = sampler, generator, eos_token_ids
+        self.rank, self.broadcast = rank, broadcast
+
+    def __call__(self, logits: torch.Tensor, rows: LogitRows, seqs: list[Sequence], sampled: list[bool],
+                 generators: dict[int, torch.Generator] | None) -> StepOutput:
+        """``logits`` ``[len(rows.indices), vocab]``; ``sampled[i]``: sequence i gets a token."""
+        sampled_seqs = [seq for seq, s in zip(seqs, sampled) if s]
+        sample_logits, prompt_logits = rows.split(logits)
+        vocab = logits.size(-1)
+        out = self._sample(sample_logits, sampled_seqs, generators, vocab)
+        prompt = self._prompt_logprobs(prompt_logits, rows, seqs, vocab)
+        if self.broadcast:  # every rank knows the shapes, so all skip the same empty tensors
+            for t in (out.tokens, *(out.logprobs.tensors() if out.logprobs else ()),
+                      *(prompt.tensors() if prompt else ())):
+                if t.numel():
+                    dist.broadcast(t, src=0)
+        return self._per_sequence(out, prompt, rows, seqs, sampled, vocab)
+
+    def _sample(self, logits, seqs: list[Sequence], generators, vocab: int) -> SamplerOutput:
+        device = logits.device
+        if not seqs:
+            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=device), None)
+        if self.rank == 0:
+            params = sampling_tensors(seqs, device, self.eos_token_ids, generators, vocab)
+            return self.sampler(logits, params, self.generator)
+        rows, k = _logprob_rows([seq.sampling_params for seq in seqs], vocab)
+        return SamplerOutput(torch.empty(len(seqs), dtype=torch.int64, device=device),
+                             LogprobsTensors.empty(len(rows), k, device) if rows else None)
+
+    def _prompt_logprobs(self, logits, rows: LogitRows, seqs: list[Sequence], vocab: int):
+        if not rows.spans:
+            return None
+        k = max(logprobs_width(seqs[i].num_prompt_logprobs, vocab) for i, _, _ in rows.spans)
+        if self.rank > 0:
+            return LogprobsTensors.empty(logits.size(0), k, logits.device)
+        targets = [t for i, start, n in rows.spans for t in seqs[i].token_ids[start + 1:start + 1 + n]]
+        return compute_logprobs(logits, _to_device(targets, torch.int64, logits.device), k)
+
+    @staticmethod
+    def _per_sequence(out: SamplerOutput, prompt: LogprobsTensors | None, rows: LogitRows,
+                      seqs: list[Sequence], sampled: list[bool], vocab: int) -> StepOutput:
+        tokens = iter(out.tokens.tolist())
+        result = StepOutput([next(tokens) if s else None for s in sampled])
+        if out.logprobs is not None:
+            entries = iter(out.logprobs.tolist())
+            result.logprobs = [next(entries) if s and seq.sampling_params.logprobs is not None else None
+                               for seq, s in zip(seqs, sampled)]
+        if prompt is not None:
+            entries = prompt.tolist()
+            result.prompt_logprobs = [None] * len(seqs)
+            offset = 0
+            for i, _, n in rows.spans:
+                result.prompt_logprobs[i] = entries[offset:offset + n]
+                offset += n
+        return result
