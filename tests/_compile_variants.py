@@ -5,8 +5,7 @@ and, for a parameter not in ``do_not_specialize``, whether an int is 1 or a mult
 whether a tensor is 16-byte aligned, plus the launch options (num_warps, num_stages). On a fresh
 cache each new key costs a compile (1-3 s for the XAttention kernels on the H200).
 
-- The workloads make the ops calls that the XATTN_BSA policy (GPU-only and offload prefill), every
-  layer's prefill (RMSNorm, RoPE, KV store) and the decode paths make for one length, on a device of
+- The workloads make the ops calls that the XATTN_BSA prefill, every layer's prefill (RMSNorm, RoPE, KV store) and the decode paths make for one length, on a device of
   choice.
 - :data:`WORKLOADS` gives each the most keys a kernel may need over any set of lengths within one
   octave of :func:`nanovllm.ops._triton.row_tile` (up to 16K tokens at 128-token blocks): one per
@@ -27,13 +26,12 @@ import pytest
 import torch
 
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
-                          merge_attention_outputs, rms_norm, store_kvcache, xattn_select_blocks)
-from nanovllm.ops.xattn_estimate import normalise_block_rows
-from nanovllm.ops.xattn_streamed import merge_row_stats, xattn_block_mask, xattn_block_sums, xattn_row_stats
+                          merge_attention_outputs, rms_norm, store_kvcache)
+from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
     "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "rmsnorm",
-    "rotary", "store_kv", "xattn_estimate", "xattn_select", "xattn_streamed"))
+    "rotary", "store_kv", "xattn_estimate", "xattn_select", "xattn_mask"))
 
 PROMPT_LENGTHS = (1500, 1517, 1536, 1561, 1600, 1633, 1664, 1701, 1750, 1791, 1856, 1907)
 """12 distinct prompt lengths in 1.5-2K tokens (issue 14's compile storm), multiples of 1, 8 and 16."""
@@ -66,25 +64,8 @@ def xattn_prefill(n: int, device, heads=SMOLLM2_HEADS, chunk_size: int = 16384) 
     block_sparse_attention(q, k, v, mask, SPARSE_BLOCK)
 
 
-def xattn_offload_chunk(n: int, device, heads=SMOLLM2_HEADS, history: int = 1024) -> None:
-    """Offload XATTN_BSA prefill of an n-token chunk after one ``history``-token host block: the
-    streamed two-pass estimation, selection, then block-sparse attention over the chunk (causal) and
-    over the host block (``XAttentionBSAPolicy.block_scores`` / ``attend_chunk`` / ``attend_block``)."""
-    q, k, v = _qkv(n, device, heads)
-    _, k_old, v_old = _qkv(history, device, heads, seed=1)
-    stats = merge_row_stats(*xattn_row_stats(q, k, STRIDE, None, causal=True),
-                            *xattn_row_stats(q, k_old, STRIDE, None, causal=False))
-    sums = [xattn_block_sums(q, k_old, *stats, STRIDE, SPARSE_BLOCK, None, causal=False),
-            xattn_block_sums(q, k, *stats, STRIDE, SPARSE_BLOCK, None, causal=True)]
-    mask = xattn_select_blocks(normalise_block_rows(torch.cat(sums, dim=-1)), THRESHOLD, True, SPARSE_BLOCK, n,
-                               history + n)
-    old_blocks = history // SPARSE_BLOCK
-    block_sparse_attention(q, k, v, mask[:, :, old_blocks:], SPARSE_BLOCK, causal=True)
-    block_sparse_attention(q, k_old, v_old, mask[:, :, :old_blocks], SPARSE_BLOCK, causal=False)
-
-
 def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: int = 256) -> None:
-    """Decode at context n: paged decode of a batch, one offload ring step folded into a running
+    """Decode at context n: paged decode of a batch, one host-tier ring step folded into a running
     state (its last, partial block), and a prefix/chunk LSE merge of n rows."""
     heads_q, heads_kv, dim = heads
     blocks = -(-n // kv_block)
@@ -172,11 +153,6 @@ WORKLOADS = {
         "xattn_estimate._xattn_partials_kernel": LOAD_PATHS, "xattn_estimate._xattn_combine_kernel": 1,
         "xattn_select._select_kernel": 1, "block_lists._kept_block_lists_kernel": 1,
         "block_sparse_attention._bsa_kernel": 1}),
-    # Causal over the chunk, non-causal over the host block: two variants each.
-    "xattn_offload_chunk": (xattn_offload_chunk, {
-        "xattn_estimate._xattn_stats_kernel": 2, "xattn_estimate._xattn_block_sum_kernel": 2,
-        "xattn_select._select_kernel": 1, "block_lists._kept_block_lists_kernel": 2,
-        "block_sparse_attention._bsa_kernel": 2}),
     "layer_steps": (layer_steps, {
         "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1}),
     "decode_steps": (decode_steps, {

@@ -12,8 +12,7 @@ from nanovllm.ops._triton import row_tile
 pytest.importorskip("triton")
 
 WIDE_LENGTHS = (257, 300, 511, 1000, 1024, 2047, 3001, 4096, 5555, 8191, 12000, 15000)
-"""Lengths across the first :func:`row_tile` octave: up to 128 key blocks of 128 tokens, the
-offload workload's host block included."""
+"""Lengths across the first :func:`row_tile` octave: up to 128 key blocks of 128 tokens."""
 DECODE_LENGTHS = (1, 17, 255, 256, 1000, 1500, 1907, 4096, 8191, 12345)
 
 
@@ -24,7 +23,7 @@ def _assert_bounded(keys, bounds):
 
 
 @pytest.mark.parametrize("lengths", [PROMPT_LENGTHS, WIDE_LENGTHS], ids=["1.5-2K", "257-15K"])
-@pytest.mark.parametrize("workload", ["xattn_prefill", "xattn_offload_chunk", "layer_steps"])
+@pytest.mark.parametrize("workload", ["xattn_prefill", "layer_steps"])
 def test_prefill_variants_bounded(monkeypatch, workload, lengths):
     run, bounds = WORKLOADS[workload]
     with recorded_keys(monkeypatch) as keys:

@@ -198,107 +198,6 @@ def _online_softmax_tile(s, m_i, l_i):
     return m_new, p, l_i * tl.exp2(m_i - m_safe) + tl.sum(p, 1)
 
 
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "n_qs", "n_ks", "offset", "stride_mh"])
-def _xattn_stats_kernel(
-    q_ptr, k_ptr, m_ptr, l_ptr, seq_q, seq_k, n_qs, n_ks, offset, scale_log2,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_mh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
-):
-    """Pass 1 of the streamed estimation: per strided query row, the running max (log2 units)
-    and sum of exp2 over its visible strided keys."""
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
-    h = tl.program_id(1)
-    r = r0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_head = q_ptr + h * stride_qh
-    k_head = k_ptr + (h // GROUP) * stride_kh
-    end = _key_end(r0, n_qs, n_ks, offset, STRIDE, BLOCK_M, CAUSAL)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
-        j0 = end * 0
-        while j0 < end:
-            s = _scaled_tile_scores(q_head, k_head, r, j0 + tl.arange(0, BLOCK_N), r0, j0, 0, 0, seq_q, seq_k,
-                                    n_ks, offset, scale_log2, d, d_mask, stride_qs, stride_ks, STRIDE, BLOCK_M,
-                                    BLOCK_N, CAUSAL, DOT_PRECISION, False)
-            m_i, _, l_i = _online_softmax_tile(s, m_i, l_i)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(0, end, BLOCK_N):
-            s = _scaled_tile_scores(q_head, k_head, r, j0 + tl.arange(0, BLOCK_N), r0, j0, 0, 0, seq_q, seq_k,
-                                    n_ks, offset, scale_log2, d, d_mask, stride_qs, stride_ks, STRIDE, BLOCK_M,
-                                    BLOCK_N, CAUSAL, DOT_PRECISION, False)
-            m_i, _, l_i = _online_softmax_tile(s, m_i, l_i)
-    r_mask = r < n_qs
-    tl.store(m_ptr + h * stride_mh + r, m_i, mask=r_mask)
-    tl.store(l_ptr + h * stride_mh + r, l_i, mask=r_mask)
-
-
-@triton.jit
-def _block_sum_tile(
-    q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks, n_k, q_blocks,
-    q_block_mask, offset, scale_log2, d, d_mask, stride_qs, stride_ks, stride_ok,
-    STRIDE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    j = j0 + tl.arange(0, BLOCK_N)
-    s = _strided_scores(q_head, k_head, r, j, 0, 0, 0, 0, seq_q, seq_k, d, d_mask, stride_qs, stride_ks,
-                        STRIDE, BLOCK_M, BLOCK_N, DOT_PRECISION, False) * scale_log2
-    vis = _strided_visible(r, j, offset, n_ks, STRIDE, CAUSAL) & row_ok[:, None]
-    p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0) * inv_l[:, None]
-    sums = tl.sum(tl.sum(tl.reshape(p, (BLOCK_M // TILE, TILE, BLOCK_N // TILE, TILE)), axis=3), axis=1)
-    k_blocks = j0 // TILE + tl.arange(0, BLOCK_N // TILE)
-    ptrs = out_head + q_blocks[:, None] * stride_ok + k_blocks[None, :]
-    tl.store(ptrs, sums, mask=q_block_mask[:, None] & (k_blocks < n_k)[None, :])
-
-
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "n_qs", "n_ks", "n_q", "n_k", "offset", "stride_mh", "stride_oh",
-                                "stride_oq"])
-def _xattn_block_sum_kernel(
-    q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale_log2,
-    stride_qs, stride_qh, stride_ks, stride_kh, stride_mh, stride_oh, stride_oq,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE: tl.constexpr,
-    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
-):
-    """Pass 2 of the streamed estimation: recompute the strided scores, normalise them with pass
-    1's statistics and sum the probabilities of each (TILE x TILE) strided tile, i.e. each
-    (block_size x block_size) block.
-    Blocks no program reaches (causally hidden) keep the zeros they were allocated with."""
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_M
-    h = tl.program_id(1)
-    r = r0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_head = q_ptr + h * stride_qh
-    k_head = k_ptr + (h // GROUP) * stride_kh
-    out_head = out_ptr + h * stride_oh
-    r_mask = r < n_qs
-    m_i = tl.load(m_ptr + h * stride_mh + r, mask=r_mask, other=float("-inf"))
-    l_i = tl.load(l_ptr + h * stride_mh + r, mask=r_mask, other=0.0)
-    row_ok = r_mask & (l_i > 0)
-    m_safe = tl.where(row_ok, m_i, 0.0)
-    inv_l = tl.where(row_ok, 1.0 / tl.where(row_ok, l_i, 1.0), 0.0)
-    q_blocks = r0 // TILE + tl.arange(0, BLOCK_M // TILE)
-    q_block_mask = q_blocks < n_q
-    end = _key_end(r0, n_qs, n_ks, offset, STRIDE, BLOCK_M, CAUSAL)
-    if WHILE_LOOP:
-        j0 = end * 0
-        while j0 < end:
-            _block_sum_tile(q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks,
-                            n_k, q_blocks, q_block_mask, offset, scale_log2, d, d_mask, stride_qs,
-                            stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(0, end, BLOCK_N):
-            _block_sum_tile(q_head, k_head, out_head, r, j0, m_safe, inv_l, row_ok, seq_q, seq_k, n_ks,
-                            n_k, q_blocks, q_block_mask, offset, scale_log2, d, d_mask, stride_qs,
-                            stride_ks, stride_oq, STRIDE, TILE, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION)
-
-
 @triton.jit
 def _partials_tile(
     q_src, k_src, part_head, tile_max_head, r, r0, j0, q_col, k_col, m_i, l_i, seq_q, seq_k, n_qs, n_ks, n_k,
@@ -432,57 +331,8 @@ def _xattn_combine_kernel(
                            offset, stride_pk, stride_tt, STRIDE, TILE, BLOCK_N, BLOCK_KB, CAUSAL)
 
 
-def _launch_config(q, stride, block_size, causal) -> dict:
-    """Constexprs and launch options shared by the streamed passes 1 and 2. Tiles of strided rows/keys are
-    multiples of TILE = block_size // stride, so a program owns whole blocks."""
-    block_d = block_dim(q.shape[2])
-    tile = block_size // stride
-    warps, stages = (8, 3) if block_d <= 128 else (8, 2)
-    return dict(
-        HEAD_DIM=q.shape[2], BLOCK_D=block_d, STRIDE=stride, BLOCK_M=max(128 if block_d <= 128 else 64, tile),
-        BLOCK_N=max(64, tile), CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WHILE_LOOP=not q.is_cuda, num_warps=warps, num_stages=stages,
-    )
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _launch_row_stats(q, k, stride, block_size, scale, causal, offset):
-    """Pass 1 on the device: (m, l) float32 ``[Hq, ceil(Sq/stride)]``, m in log2 units."""
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
-    n_qs, n_ks = cdiv(q.shape[0], stride), cdiv(k.shape[0], stride)
-    m_buf = torch.empty((q.shape[1], n_qs), dtype=torch.float32, device=q.device)
-    l_buf = torch.empty_like(m_buf)
-    config = _launch_config(q, stride, block_size, causal)
-    grid = (cdiv(n_qs, config["BLOCK_M"]), q.shape[1])
-    _xattn_stats_kernel[grid](
-        q, k, m_buf, l_buf, q.shape[0], k.shape[0], n_qs, n_ks, offset, scale / stride * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0),
-        GROUP=q.shape[1] // k.shape[1], **config,
-    )
-    return m_buf, l_buf
-
-
-def _launch_block_sums(q, k, m_buf, l_buf, stride, block_size, scale, causal, offset):
-    """Pass 2 on the device: float32 ``[Hq, nQ, nK]`` probabilities (normalised with (m, l) of
-    pass 1, m in log2 units) summed per block, rows not normalised."""
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
-    seq_q, seq_k = q.shape[0], k.shape[0]
-    n_q, n_k = cdiv(seq_q, block_size), cdiv(seq_k, block_size)
-    out = torch.zeros((q.shape[1], n_q, n_k), dtype=torch.float32, device=q.device)
-    if seq_q == 0 or seq_k == 0:
-        return out
-    m_buf, l_buf = m_buf.contiguous(), l_buf.contiguous()
-    config = _launch_config(q, stride, block_size, causal)
-    n_qs, n_ks = cdiv(seq_q, stride), cdiv(seq_k, stride)
-    _xattn_block_sum_kernel[(cdiv(n_qs, config["BLOCK_M"]), q.shape[1])](
-        q, k, m_buf, l_buf, out, seq_q, seq_k, n_qs, n_ks, n_q, n_k, offset, scale / stride * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
-        GROUP=q.shape[1] // k.shape[1], TILE=block_size // stride, **config,
-    )
-    return out
 
 
 def _partials_config(q, stride, block_size, causal) -> dict:
@@ -585,7 +435,7 @@ def xattn_block_scores(
             when not causal). Any int: negative puts the first rows before every key (their
             rows are 0), past ``Sk - Sq`` lets rows see all keys. Used for a chunk of query rows
             estimated against keys that run on past the chunk's last row (cut at a stride
-            multiple), as :func:`nanovllm.ops.xattn_streamed.xattn_block_mask` does.
+            multiple), as :func:`nanovllm.ops.xattn_mask.xattn_block_mask` does.
 
     Returns:
         float32 ``[Hq, ceil(Sq / block_size), ceil(Sk / block_size)]``, each row summing to 1 (0

@@ -5,7 +5,7 @@ Per query block of ``block_size`` (128) tokens and per head, the key blocks are 
 antidiagonal sums of ``stride x stride`` tiles, softmaxed per strided query row and summed per
 block (:mod:`nanovllm.ops.xattn_estimate`), ``chunk_size`` query rows at a time; the fewest key
 blocks whose scores reach ``threshold`` are kept, plus the sink block and the diagonal blocks
-(:func:`nanovllm.ops.xattn_streamed.xattn_block_mask`). The attention pipeline then attends to the
+(:func:`nanovllm.ops.xattn_mask.xattn_block_mask`). The attention pipeline then attends to the
 kept blocks only (:func:`nanovllm.ops.block_sparse_attention`). A context shorter than two sparse
 blocks is dense; decode is full.
 """
@@ -14,7 +14,7 @@ from numbers import Real
 import torch
 
 from nanovllm.ops._triton import is_pow2
-from nanovllm.ops.xattn_streamed import xattn_block_mask
+from nanovllm.ops.xattn_mask import xattn_block_mask
 from nanovllm.sampling_params import is_integer
 from nanovllm.sparse.policy import SparsePolicy
 

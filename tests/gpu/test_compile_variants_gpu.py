@@ -1,5 +1,4 @@
-"""No per-length compile storms on the GPU (issue 14.5): the XATTN_BSA prefill kernels (GPU-only and
-offload), the per-layer prefill kernels and the decode kernels, run on 12 prompts of distinct lengths
+"""No per-length compile storms on the GPU (issue 14.5): the XATTN_BSA prefill kernels, the per-layer prefill kernels and the decode kernels, run on 12 prompts of distinct lengths
 in 1.5-2K tokens (SmolLM2's heads, bf16), add at most the bounded number of compiled variants to each kernel's per-device cache
 (tests/_compile_variants.py; the CPU test tests/test_compile_variants.py computes the same keys
 without a GPU). Run this file in its own process for exact counts: a variant compiled by an earlier

@@ -13,7 +13,7 @@ from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
 from nanovllm.ops import prefill_attention, prefill_attention_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention_ref
-from nanovllm.ops.xattn_streamed import xattn_block_mask
+from nanovllm.ops.xattn_mask import xattn_block_mask
 from nanovllm.sparse import SparseStats, XAttentionBSAPolicy
 from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
 
