@@ -201,6 +201,16 @@ def test_call_abandoned_while_replicas_run_is_not_taken_for_the_next(dp2, refere
 
 
 @pytest.mark.slow
+def test_unseeded_requests_draw_from_each_replicas_generator(dp2):
+    """One prompt twice, one copy per replica, no seed: replica 1's generator is seeded seed + 1,
+    so the two samples differ (with one seed for both they would be equal)."""
+    prompt = random_prompt(50, seed=970)
+    outs = dp2.generate([prompt, prompt], SamplingParams(temperature=2.0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    assert outs[0]["token_ids"] != outs[1]["token_ids"]
+
+
+@pytest.mark.slow
 def test_add_request_and_step_are_refused(dp2):
     for call in (lambda: dp2.add_request([5, 6, 7], greedy(2)), dp2.step):
         with pytest.raises(RuntimeError, match=r"not supported with data_parallel_size=2; use generate\(\) or chat"):
