@@ -4,8 +4,11 @@
     python bench.py                      # random-weight Qwen3-0.6B-shaped checkpoint (created once)
     python bench.py --model DIR --compare-hf
     python bench.py --tensor-parallel-size 2                           # spawns rank 1 itself
+    python bench.py --data-parallel-size 2                             # spawns replica 1 on GPU 1
     python bench.py --logprobs 5         # every request also returns the top-5 logprobs per token
     torchrun --nproc-per-node 2 bench.py --tensor-parallel-size 2      # one process per GPU
+    torchrun --standalone --nproc-per-node 2 bench.py --data-parallel-size 2   # 2 replicas, 1 GPU each
+    torchrun --standalone --nproc-per-node 4 bench.py --data-parallel-size 2 --tensor-parallel-size 2
 """
 import argparse
 import json
@@ -30,8 +33,9 @@ def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | Non
 
 def bench_nanovllm(args, prompts, params) -> dict:
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              device=args.device)
+    llm.generate(["Benchmark: "] * args.data_parallel_size, SamplingParams(), use_tqdm=False)  # every replica
     sync(llm.config.device)
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -42,7 +46,8 @@ def bench_nanovllm(args, prompts, params) -> dict:
     llm.shutdown()
     return {"engine": "nanovllm", "sequences": len(prompts), "output_tokens": tokens,
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device,
-            "tensor_parallel_size": args.tensor_parallel_size, "logprobs": args.logprobs}
+            "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
+            "logprobs": args.logprobs}
 
 
 def bench_hf(args, prompts, params) -> dict:
@@ -82,6 +87,8 @@ def main():
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas sharing the prompts (each of --tensor-parallel-size ranks)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",

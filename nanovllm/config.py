@@ -69,8 +69,11 @@ class Config:
         max_model_len: longest prompt + output in tokens; clamped to the model's
             ``max_position_embeddings``.
         gpu_memory_utilization: fraction of GPU memory this process may use, in (0, 1].
-        tensor_parallel_size: number of ranks (>= 1); must divide the head counts, and equal
-            WORLD_SIZE under torchrun.
+        tensor_parallel_size: ranks of one replica (>= 1); must divide the head counts.
+        data_parallel_size: replicas (>= 1), each of ``tensor_parallel_size`` ranks; ``generate``
+            splits the prompts across them (``nanovllm.engine.data_parallel``). Spawned on this
+            host (CUDA: needs ``data_parallel_size * tensor_parallel_size`` GPUs), or under
+            torchrun, where WORLD_SIZE must equal ``data_parallel_size * tensor_parallel_size``.
         enforce_eager: disable CUDA graphs for decode.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
@@ -114,6 +117,7 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
@@ -147,6 +151,7 @@ class Config:
         _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
         _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_range("data_parallel_size", self.data_parallel_size, 1)
         block = self.kvcache_block_size
         if not is_integer(block) or block <= 0 or block % BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size must be a positive multiple of "
@@ -163,7 +168,7 @@ class Config:
                            self.max_model_len, self.hf_config.max_position_embeddings,
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
-        self._check_tensor_parallel()
+        self._check_parallel()
 
     def _check_offload(self):
         from nanovllm.sparse import SparsePolicyType
@@ -189,13 +194,17 @@ class Config:
         check_xattn_params(self.sparse_threshold, self.sparse_stride, self.sparse_block_size,
                            self.sparse_chunk_size)
 
-    def _check_tensor_parallel(self):
+    def _check_parallel(self):
         from nanovllm.engine.tp_worker import torchrun_rank
 
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        ranks = f"tensor_parallel_size={tp}" if dp == 1 else \
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp}"
         launch = torchrun_rank()
-        if launch is not None and launch.world_size != self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must equal the "
-                             f"{launch.world_size} processes torchrun started (WORLD_SIZE)")
+        if launch is not None and launch.world_size != dp * tp:
+            raise ValueError(f"{ranks} must equal the {launch.world_size} processes torchrun started (WORLD_SIZE)")
+        if launch is None and self.device == "cuda" and dp * tp > torch.cuda.device_count():
+            raise ValueError(f"{ranks} ranks need as many GPUs on this host, found {torch.cuda.device_count()}")
         cfg = self.hf_config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         for name, value in (("num_attention_heads", cfg.num_attention_heads),

@@ -5,11 +5,13 @@
 
 SPEC.json: ``{"model": DIR, "llm": {LLM kwargs}, "prompts": [[ids]], "params": [{SamplingParams
 kwargs}], "engines": N (default 1), "rank_prompts": {rank: [[ids]]} (optional, replaces
-"prompts" on that rank)}``. Every rank builds ``LLM(model, tensor_parallel_size=WORLD_SIZE,
-**llm)``, generates and shuts it down, N times one after the other, and writes each engine's
-outputs' token ids to ``OUT_DIR/rank<RANK>.json`` (a list of N), or ``{"error": message}`` if
-generate raised a RuntimeError; and, per engine and request, the sampled tokens' logprobs and the
-prompt tokens' logprobs (None where not asked for) to ``OUT_DIR/rank<RANK>_logprobs.json``.
+"prompts" on that rank)}``. Every rank builds ``LLM(model, tensor_parallel_size=WORLD_SIZE / D,
+**llm)`` (D: ``llm``'s ``data_parallel_size``, default 1), generates and shuts it down, N times one
+after the other, and writes each engine's outputs' token ids to ``OUT_DIR/rank<RANK>.json`` (a list
+of N), or ``{"error": message}`` if generate raised a RuntimeError; per engine and request, the
+sampled tokens' logprobs and the prompt tokens' logprobs (None where not asked for) to
+``OUT_DIR/rank<RANK>_logprobs.json``; and each engine's ``get_kv_cache_stats()`` after its generate
+and its request ids to ``OUT_DIR/rank<RANK>_stats.json``.
 """
 import json
 import os
@@ -24,20 +26,24 @@ def main():
         spec = json.load(f)
     params = [SamplingParams(**p) for p in spec["params"]]
     world_size, rank = int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
+    tp_size = world_size // spec["llm"].get("data_parallel_size", 1)
     prompts = spec.get("rank_prompts", {}).get(rank, spec["prompts"])
-    result, logprobs = [], []
+    result, logprobs, stats = [], [], []
     try:
         for _ in range(spec.get("engines", 1)):
-            with LLM(spec["model"], tensor_parallel_size=world_size, **spec["llm"]) as llm:
+            with LLM(spec["model"], tensor_parallel_size=tp_size, **spec["llm"]) as llm:
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 result.append([o["token_ids"] for o in outs])
                 logprobs.append([_logprobs(o) for o in outs])
+                stats.append({"kv_cache": llm.get_kv_cache_stats(), "request_ids": [o.request_id for o in outs]})
     except RuntimeError as err:
         result = {"error": str(err)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     with open(os.path.join(out_dir, f"rank{rank}_logprobs.json"), "w") as f:
         json.dump(logprobs, f)
+    with open(os.path.join(out_dir, f"rank{rank}_stats.json"), "w") as f:
+        json.dump(stats, f)
 
 
 def _logprobs(out) -> dict:

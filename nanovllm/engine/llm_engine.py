@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
+from nanovllm.engine import data_parallel
+from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
 from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
@@ -48,42 +50,76 @@ class LLMEngine:
     With ``tensor_parallel_size > 1`` in a plain process, this process is rank 0 and spawns
     the other ranks on this host. Under torchrun every rank builds its own engine with the same
     arguments and must make the same calls; ``generate`` returns the same outputs on every rank.
+    With ``data_parallel_size > 1`` this engine is one of the replicas that share every
+    ``generate`` (``nanovllm.engine.data_parallel``): replica 0, which starts the others on this
+    host, or under torchrun the replica of this rank.
     """
 
     def __init__(self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs):
         model = resolve_model(model, revision, download_dir)
-        self.config = config = Config(model, **kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self._outputs = OutputBuilder(self.tokenizer)
-        config.eos_token_ids = eos_token_ids(model, self.tokenizer)
-        self._workers, self._generators = [], {}
+        config = Config(model, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        config.eos_token_ids = eos_token_ids(model, tokenizer)
+        self._start(config, tokenizer, spawned_replica=None)
+
+    @classmethod
+    def _spawned_replica(cls, config: Config, replica: int) -> "LLMEngine":
+        """Replica ``replica`` >= 1 of a spawned data-parallel engine (in its own process)."""
+        engine = cls.__new__(cls)
+        engine._start(config, AutoTokenizer.from_pretrained(config.model), replica)
+        return engine
+
+    def _start(self, config: Config, tokenizer, spawned_replica: int | None):
+        """Build this process's replica: its runner (and tensor-parallel ranks) and scheduler;
+        as replica 0 of a spawned data-parallel engine, also start the other replicas."""
+        self.config, self.tokenizer = config, tokenizer
+        self._outputs = OutputBuilder(tokenizer)
+        self.vocab_size = config.hf_config.vocab_size
+        self._workers, self._generators, self._replicas = [], {}, None
         launch = torchrun_rank()
         if launch is not None:
             self.rank = launch.rank
-            self.model_runner = ModelRunner(config, launch.rank, local_rank=launch.local_rank)
+            replica, tp_rank = divmod(launch.rank, config.tensor_parallel_size)
+            self._replicas = torchrun_replicas(config, launch)
+            self.model_runner = ModelRunner(replica_config(config, replica), tp_rank, local_rank=launch.local_rank)
         else:
-            self.rank = 0
-            self.model_runner = self._spawn_ranks(config)
+            self.rank, replica = 0, spawned_replica or 0
+            if spawned_replica is None and config.data_parallel_size > 1:
+                self._replicas = ReplicaPool(config, _replica_main)
+            try:
+                self.model_runner = self._spawn_ranks(replica_config(config, replica),
+                                                      first_device=replica * config.tensor_parallel_size)
+            except BaseException:
+                if self._replicas is not None:
+                    self._replicas.close()
+                raise
         self.scheduler = self._make_scheduler()
-        self.vocab_size = config.hf_config.vocab_size
-        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers)
+        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers, self._replicas)
+        capacity = sum(self.model_runner.tier_sizes) * config.kvcache_block_size
+        try:
+            self._kv_capacity = capacity if self._replicas is None else min(self._replicas.join(capacity))
+        except BaseException:
+            self._finalizer()
+            raise
 
-    def _spawn_ranks(self, config: Config) -> ModelRunner:
-        """Start ranks 1..N-1 as processes on this host; return rank 0's runner."""
+    def _spawn_ranks(self, config: Config, first_device: int) -> ModelRunner:
+        """Start ranks 1..N-1 as processes on this host; return rank 0's runner. Rank k uses
+        CUDA device ``first_device + k``."""
         channel, events, store = None, [], None
         if config.tensor_parallel_size > 1:
             channel, store = new_shm_name(), rendezvous_store(config.tensor_parallel_size)
             ctx = get_context("spawn")
             for rank in range(1, config.tensor_parallel_size):
                 event = ctx.Event()
-                proc = ctx.Process(target=ModelRunner, args=(config, rank, channel, event, store.port))
+                proc = ctx.Process(target=ModelRunner,
+                                   args=(config, rank, channel, event, store.port, first_device + rank))
                 proc.start()
                 self._workers.append(proc)
                 events.append(event)
         try:
             if store is not None:
                 wait_for_workers(store, self._workers)
-            return ModelRunner(config, 0, channel, events, store=store)
+            return ModelRunner(config, 0, channel, events, local_rank=first_device, store=store)
         except BaseException:
             for proc in self._workers:
                 proc.terminate()
@@ -123,9 +159,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        capacity = sum(self.model_runner.tier_sizes) * cfg.kvcache_block_size
-        if len(ids) > capacity:
-            raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {capacity}")
+        if len(ids) > self._kv_capacity:
+            raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {self._kv_capacity}")
 
     def _queue_params(self, params, name: str) -> SamplingParams:
         """A validated copy of ``params`` to queue (every field checked again, so an edit made
@@ -153,9 +188,10 @@ class LLMEngine:
         Raises:
             ValueError: empty prompt, prompt longer than ``max_model_len``, token id outside the
                 vocabulary, a bad SamplingParams field, ``n > 1``. RuntimeError: the prompt cannot
-                fit in the KV cache.
+                fit in the KV cache; ``data_parallel_size > 1`` (see :meth:`_check_one_replica`).
         """
         self._check_open()
+        self._check_one_replica("add_request")
         self._check_same_calls(prompt, sampling_params)
         params = self._queue_params(sampling_params, "sampling_params")
         if params.n != 1:
@@ -165,9 +201,24 @@ class LLMEngine:
 
     def _check_same_calls(self, prompts, sampling_params):
         """torchrun: the ranks' arguments must agree (checked before anything can raise on one
-        rank only, which would leave the others waiting in a collective)."""
-        if torchrun_rank() is not None and self.config.tensor_parallel_size > 1:
-            check_same_calls(repr((_as_lists(prompts), sampling_params)).encode(), self.model_runner.device)
+        rank only, which would leave the others waiting in a collective): over every rank of
+        every replica with data parallelism, else over the tensor-parallel ranks."""
+        if torchrun_rank() is None:
+            return
+        payload = repr((_as_lists(prompts), sampling_params)).encode()
+        if self._replicas is not None:
+            self._replicas.check_same_calls(payload)
+        elif self.config.tensor_parallel_size > 1:
+            check_same_calls(payload, self.model_runner.device)
+
+    def _check_one_replica(self, method: str):
+        """``add_request`` and ``step`` drive one scheduler; with data parallelism the requests
+        are split across replicas per ``generate`` call, so they are refused rather than run on
+        one replica only."""
+        if self._replicas is not None:
+            raise RuntimeError(f"{method}() drives one replica's scheduler and is not supported with "
+                               f"data_parallel_size={self.config.data_parallel_size}; use generate() or "
+                               f"chat(), which split the requests across the replicas")
 
     def _check_open(self):
         if not self._finalizer.alive:
@@ -194,8 +245,16 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled step. Returns the sequences finished in it and the number of
-        tokens processed (positive for a prefill step, negative for decode, as nano-vLLM)."""
+        tokens processed (positive for a prefill step, negative for decode, as nano-vLLM).
+
+        Raises:
+            RuntimeError: a tensor-parallel rank died; ``data_parallel_size > 1``.
+        """
         self._check_open()
+        self._check_one_replica("step")
+        return self._step()
+
+    def _step(self) -> tuple[list[Sequence], int]:
         self._check_workers()
         if self.scheduler.is_finished():
             return [], 0
@@ -266,12 +325,25 @@ class LLMEngine:
         return [self._queue_params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
 
     def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        """Validate everything, then run the requests here or split them across the replicas."""
         self._check_idle()
         params = self._params_per_prompt(sampling_params, len(prompts))
-        token_ids = [self._token_ids(p) for p in prompts]
+        prompts = [Prompt(p.text, self._token_ids(p)) for p in prompts]
+        if self._replicas is None:
+            return self._run_requests(prompts, params, use_tqdm)
+        costs = [data_parallel.request_cost(len(p.token_ids), sp, self.config.max_model_len)
+                 for p, sp in zip(prompts, params)]
+        shares = data_parallel.split_by_cost(costs, self.config.data_parallel_size)
+        results = self._replicas.run([([prompts[i] for i in share], [params[i] for i in share]) for share in shares],
+                                     lambda share: self._run_requests(*share, use_tqdm))
+        return data_parallel.number_requests(data_parallel.in_input_order(shares, results))
+
+    def _run_requests(self, prompts: list[Prompt], params: list[SamplingParams],
+                      use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run validated requests (``prompts`` tokenized) on this replica to completion."""
         groups, seq_ids = [], []
         try:
-            for ids, sp in zip(token_ids, params):
+            for ids, sp in zip((p.token_ids for p in prompts), params):
                 groups.append([self._add(ids, child) for child in _completions(sp)])
                 seq_ids += groups[-1]
             finished = self._run_until_done(set(seq_ids), use_tqdm)
@@ -290,7 +362,7 @@ class LLMEngine:
         prefill_tps = decode_tps = 0.0
         while pending - results.keys():
             t = time.perf_counter()
-            finished, num_tokens = self.step()
+            finished, num_tokens = self._step()
             rate = abs(num_tokens) / max(time.perf_counter() - t, 1e-9)
             prefill_tps, decode_tps = (rate, decode_tps) if num_tokens > 0 else (prefill_tps, rate)
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
@@ -314,10 +386,15 @@ class LLMEngine:
         cache (either tier); ``preemptions``: sequences preempted (recomputed later) because
         both tiers were full. Blocks are ``kvcache_block_size`` tokens. With
         ``tensor_parallel_size > 1``, ``loaded_blocks`` is rank 0's (every rank reads its shard).
+        With ``data_parallel_size > 1``, every value is summed over the replicas (under torchrun
+        every rank must call this: it gathers from every replica).
         """
         self._check_open()
-        return {**self.scheduler.block_manager.usage(), "loaded_blocks": self.model_runner.cache.loaded_blocks(),
-                "preemptions": self.scheduler.num_preemptions}
+        stats = {**self.scheduler.block_manager.usage(), "loaded_blocks": self.model_runner.cache.loaded_blocks(),
+                 "preemptions": self.scheduler.num_preemptions}
+        if self._replicas is None:
+            return stats
+        return data_parallel.sum_kv_cache_stats(self._replicas.call("get_kv_cache_stats", stats))
 
     def get_sparse_stats(self) -> dict:
         """Densities of the sparse policy since the engine started or the last
@@ -336,15 +413,25 @@ class LLMEngine:
         attention could read, per layer (None where the batch had no host blocks).
         Reading syncs with the device once per layer; counting never does. With
         ``tensor_parallel_size > 1`` these are rank 0's counts (its share of the heads).
+        With ``data_parallel_size > 1`` (under torchrun every rank must call this): each phase's
+        block counts are summed over the replicas and its ``density`` and ``comm_density``
+        computed from the sums, without ``per_layer``; ``"replicas"`` lists every replica's own
+        dict as above, ``per_layer`` included.
         """
         self._check_open()
         cache = self.model_runner.cache
-        return {"policy": self.config.sparse_policy.value, **cache.stats.to_dict(cache.policy.dense_prefill)}
+        stats = {"policy": self.config.sparse_policy.value, **cache.stats.to_dict(cache.policy.dense_prefill)}
+        if self._replicas is None:
+            return stats
+        return data_parallel.sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))
 
     def reset_sparse_stats(self) -> None:
-        """Zero the counts behind :meth:`get_sparse_stats`."""
+        """Zero the counts behind :meth:`get_sparse_stats` (on every replica; under torchrun
+        with ``data_parallel_size > 1`` every rank must call this)."""
         self._check_open()
         self.model_runner.cache.stats.reset()
+        if self._replicas is not None:
+            self._replicas.call("reset_sparse_stats", None)
 
     def shutdown(self):
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
@@ -369,7 +456,25 @@ def _completions(params: SamplingParams) -> list[SamplingParams]:
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
 
 
-def _shutdown(model_runner: ModelRunner, workers: list):
+def _replica_main(conn, config: Config, replica: int):
+    """A spawned data-parallel replica's process: build its engine, report its KV capacity (or
+    why it failed), then run the calls replica 0 sends (``data_parallel.ReplicaPool``)."""
+    try:
+        engine = LLMEngine._spawned_replica(config, replica)
+    except Exception:
+        data_parallel.report_start_failure(conn)
+        return
+    try:
+        data_parallel.serve(conn, engine._kv_capacity, {
+            "generate": engine._run_requests, "get_kv_cache_stats": engine.get_kv_cache_stats,
+            "get_sparse_stats": engine.get_sparse_stats, "reset_sparse_stats": engine.reset_sparse_stats})
+    finally:
+        engine.shutdown()
+
+
+def _shutdown(model_runner: ModelRunner, workers: list, replicas):
+    if replicas is not None:
+        replicas.close()
     if all(proc.is_alive() for proc in workers):
         model_runner.call("exit")
     else:  # a dead worker's event would block the send: stop the others instead

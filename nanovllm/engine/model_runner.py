@@ -41,7 +41,7 @@ class ModelRunner:
         self.config = config
         self.rank, self.world_size = rank, config.tensor_parallel_size
         launch = torchrun_rank()
-        self.ranks_on_host = launch.local_world_size if launch else self.world_size
+        self.ranks_on_host = launch.local_world_size if launch else self.world_size * config.data_parallel_size
         device_index = rank if local_rank is None else local_rank
         self.device = torch.device("cuda", device_index) if config.device == "cuda" else torch.device("cpu")
         if config.device == "cuda":

@@ -11,8 +11,13 @@ Two launch modes:
 - torchrun (env:// rendezvous, so ranks may live on several hosts): every rank runs the user's
   script, builds the same engine and schedules the same steps; rank 0 samples and broadcasts
   the tokens, so every rank's scheduler sees the same sequences (vLLM's "external launcher").
+  With data parallelism (``engine.data_parallel``) torchrun starts D x TP processes and each
+  process's default group is its replica's tensor-parallel group: global ranks
+  ``r * TP .. r * TP + TP - 1`` form replica r's, rendezvousing under their own prefix of
+  torchrun's store.
 """
 import atexit
+import functools
 import os
 import pickle
 import time
@@ -79,21 +84,43 @@ def join(port: int, rank: int, world_size: int) -> dist.TCPStore:
     return store
 
 
+@functools.cache
+def torchrun_store() -> dist.Store:
+    """This torchrun process's client of the job's TCP store (env:// rendezvous: ``MASTER_ADDR``,
+    ``MASTER_PORT``), made once."""
+    store, _, _ = next(dist.rendezvous("env://"))
+    return store
+
+
 def init_process_group(device: str, rank: int, world_size: int, store: dist.TCPStore | None):
-    """NCCL on CUDA, gloo on CPU, over a spawned engine's ``store``. Under torchrun: env://
-    rendezvous, once per process (the group outlives engines: torchrun's store keeps the first
-    group's keys, so a second rendezvous under the same name could read stale addresses)."""
+    """NCCL on CUDA, gloo on CPU, over a spawned engine's ``store``. Under torchrun, once per
+    process (the group outlives engines: torchrun's store keeps the first group's keys, so a
+    second rendezvous under the same name could read stale addresses): env:// rendezvous when
+    the group is every process; else (data parallelism) the group of ``world_size`` consecutive
+    global ranks holding this one, rendezvousing under its own prefix of torchrun's store.
+
+    Raises:
+        RuntimeError: this torchrun process already has a group of another backend or size
+            (engines in one torchrun process share one layout).
+    """
     backend = "nccl" if device == "cuda" else "gloo"
-    if torchrun_rank() is not None:
-        if dist.is_initialized():
-            if dist.get_backend() != backend:
-                raise RuntimeError(f"this torchrun process already has a {dist.get_backend()} process "
-                                   f"group; an engine on {device} needs {backend}")
-            return
-        dist.init_process_group(backend, init_method="env://")
-        atexit.register(_destroy_torchrun_group)
-    else:
+    launch = torchrun_rank()
+    if launch is None:
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+        return
+    if dist.is_initialized():
+        if (dist.get_backend(), dist.get_world_size()) != (backend, world_size):
+            raise RuntimeError(f"this torchrun process already has a {dist.get_backend()} process group of "
+                               f"{dist.get_world_size()} ranks; an engine on {device} with tensor_parallel_size="
+                               f"{world_size} needs {backend} over {world_size} (one layout per process)")
+        return
+    if launch.world_size == world_size:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        replica = launch.rank // world_size
+        dist.init_process_group(backend, store=dist.PrefixStore(f"nanovllm_tp{replica}", torchrun_store()),
+                                rank=launch.rank % world_size, world_size=world_size)
+    atexit.register(_destroy_torchrun_group)
 
 
 def check_same_calls(payload: bytes, device) -> None:
