@@ -21,11 +21,12 @@ def test_scores_bound_every_key_of_the_block():
     torch.testing.assert_close(quest_block_scores(q, one_key.amin(3), one_key.amax(3)), exact)
 
 
-def test_selection_keeps_first_and_last_and_the_best():
-    scores = torch.tensor([[0.0, 5.0, -1.0, 9.0, 3.0, -2.0], [0.0, 1.0, 7.0, 2.0, 9.0, 9.0]])
-    assert select_top_blocks(scores, [6, 5], 2) == [[0, 1, 3, 5], [0, 2, 3, 4]]
-    assert select_top_blocks(scores, [6, 4], 1) == [[0, 3, 5], [0, 2, 3]]
-    assert select_top_blocks(scores, [6, 4], 4) == [list(range(6)), list(range(4))]
+def test_selection_keeps_first_last_full_and_written_blocks_and_the_best():
+    scores = torch.tensor([[0.0, 5.0, -1.0, 9.0, 3.0, -2.0, 8.0], [0.0, 1.0, 7.0, 2.0, 9.0, 9.0, 9.0]])
+    # row 0: 7 blocks, 6 full (block 5 the last full one, block 6 being written); row 1: 6 full, all full
+    assert select_top_blocks(scores, [7, 6], [6, 6], 2) == [[0, 1, 3, 5, 6], [0, 2, 4, 5]]
+    assert select_top_blocks(scores, [7, 6], [6, 6], 1) == [[0, 3, 5, 6], [0, 4, 5]]
+    assert select_top_blocks(scores, [7, 6], [6, 6], 4) == [list(range(7)), list(range(6))]
 
 
 def test_bounds_follow_a_block_from_the_gpu_tier_to_the_host_tier():

@@ -213,6 +213,7 @@ class KVCache:
             return None
         width = max(len(seqs[row].block_table) for row in rows)
         blocks = DecodeBlocks(rows, [len(seqs[row].block_table) for row in rows],
+                              [len(seqs[row]) // self.geometry.block_size for row in rows],
                               to_device(padded_rows([seqs[r].block_table for r in rows], width), torch.int64,
                                         self.device),
                               to_device(padded_rows([seqs[r].host_block_table for r in rows], width), torch.int64,

@@ -41,6 +41,8 @@ class DecodeBlocks:
     Attributes:
         rows: the sequences' rows in the decode batch (host list, length ``S``).
         num_blocks: each sequence's block count (host list), ``<= M``.
+        num_full_blocks: how many of them are full (host list): all but the block being written,
+            or all of them when that one just became full.
         gpu_ids: int64 ``[S, M]`` on the device: the GPU-tier block of each logical block, -1 if
             it is on the host tier or padding.
         host_ids: int64 ``[S, M]``: the host-tier block, -1 if on the GPU tier or padding.
@@ -48,6 +50,7 @@ class DecodeBlocks:
 
     rows: list[int]
     num_blocks: list[int]
+    num_full_blocks: list[int]
     gpu_ids: torch.Tensor
     host_ids: torch.Tensor
 

@@ -8,8 +8,9 @@ along when the block is spilled to the host tier. For a decode query q,
 ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` is an upper bound of ``q . k`` over every key of the
 page. A block's score is the largest bound over its pages and all query heads (blocks are read for
 all heads at once). When a sequence has more than ``threshold_blocks`` blocks (and more than
-``topk_blocks + 2``), its first block (attention sink) and its last (the one being written) are
-read, plus the ``topk_blocks`` best-scoring blocks between them. Prefill is dense.
+``topk_blocks + 2``), its first block (attention sink), its last full block and the block being
+written (the most recent tokens: a prompt's question, the answer so far) are read, plus the
+``topk_blocks`` best-scoring blocks between the first and the last full one. Prefill is dense.
 With tensor parallelism each rank holds a share of the heads; the scores are all-reduced (max) so
 that every rank selects the blocks TP=1 would.
 """
@@ -43,16 +44,19 @@ def quest_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) 
     return upper.flatten(2).amax(2)
 
 
-def select_top_blocks(scores: torch.Tensor, num_blocks: list[int], topk: int) -> list[list[int]]:
-    """Per row of ``scores`` ``[S, M]`` (a sequence of ``num_blocks[s]`` blocks): the first and
-    the last block plus the ``topk`` best-scoring blocks between them, increasing (every block
-    when there are at most ``topk + 2``). One host sync."""
+def select_top_blocks(scores: torch.Tensor, num_blocks: list[int], num_full: list[int], topk: int) -> list[list[int]]:
+    """Per row of ``scores`` ``[S, M]`` (a sequence of ``num_blocks[s]`` blocks, the first
+    ``num_full[s]`` of them full): the first block (attention sink), the last full block and the
+    block being written (the most recent tokens), plus the ``topk`` best-scoring blocks between
+    the first and the last full one; increasing. Every block when there are at most ``topk`` such
+    candidates. One host sync."""
     columns = torch.arange(scores.shape[1], device=scores.device)
-    counts = torch.tensor(num_blocks, device=scores.device)[:, None]
-    middle = (columns > 0) & (columns < counts - 1)
+    last_full = torch.tensor(num_full, device=scores.device)[:, None] - 1
+    middle = (columns > 0) & (columns < last_full)
     k = min(topk, scores.shape[1])
     best = scores.masked_fill(~middle, float("-inf")).topk(k, dim=1).indices.tolist()
-    return [list(range(n)) if n <= topk + 2 else sorted({0, n - 1, *row}) for n, row in zip(num_blocks, best)]
+    return [list(range(n)) if full - 2 <= topk else sorted({0, full - 1, n - 1, *row})
+            for n, full, row in zip(num_blocks, num_full, best)]
 
 
 class QuestPolicy(SparsePolicy):
@@ -113,4 +117,4 @@ class QuestPolicy(SparsePolicy):
         scores = quest_block_scores(q, *self._bounds(layer, blocks))
         if tp_size() > 1:  # this rank's heads -> all heads: every rank selects TP=1's blocks
             dist.all_reduce(scores, op=dist.ReduceOp.MAX)
-        return select_top_blocks(scores, blocks.num_blocks, self.topk_blocks)
+        return select_top_blocks(scores, blocks.num_blocks, blocks.num_full_blocks, self.topk_blocks)
