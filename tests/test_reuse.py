@@ -27,14 +27,14 @@ def test_reuse_cache_keeps_recent_picks_per_layer_and_forgets_rewritten_blocks()
 
 class _ScriptedPolicy:
     """A choosing policy whose picks are given per layer (``script[layer]``: per choosing
-    sequence, its picked logical blocks); sequences of more than 2 blocks choose."""
+    sequence, its picked logical blocks); sequences of more than 3 blocks choose."""
 
     chooses_decode_blocks, needs_block_metadata, dense_prefill = True, False, True
     script: dict[int, list[list[int]]] = {}
 
     @staticmethod
     def selects(num_blocks):
-        return num_blocks > 2
+        return num_blocks > 3
 
     @staticmethod
     def fixed_decode_blocks(num_blocks):
@@ -65,14 +65,15 @@ def _reference(q_row, kv, host, layer, gpus, hosts, length, read):
 
 def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse():
     """Two decode steps of three sequences: A (5 blocks, 3 on the host) and B (4 blocks, 1 on the
-    host) choose; C (2 blocks, its first on the host) reads both, through the ring, prefetched a
-    layer ahead. The reuse cache has 2 rows per layer (GPU-tier blocks 6 and 7). Between the steps
-    host block 4 is rewritten (a spill), so its copy must not be reused.
+    host) choose; C (3 blocks) reads all of its blocks, its block 1 (host block 3, shared with A as
+    a common prefix would be) through the ring, prefetched a layer ahead. The reuse cache has 2 rows
+    per layer (GPU-tier blocks 7 and 8). Between the steps host block 4 is rewritten (a spill), so
+    its copy must not be reused.
 
-    Step 1, layer 0: A picks 1, 3 (host 3, 4), B picks 2 (host 1): 3 -> row 6, 4 -> row 7 (loaded),
-    1 finds no row (ring). Layer 1: A picks 2 (host 0) -> row 6 (loaded); B picks 1 (GPU block 5).
-    Step 2, layer 0: A picks 1, 3, B picks 2: 3 is found (row 6), 4 was forgotten and is loaded
-    again (row 7), 1 goes through the ring. Layer 1: A picks 2: host 0 is found; B picks 1.
+    Step 1, layer 0: A picks 1, 3 (host 3, 4), B picks 2 (host 1): 3 -> row 7, 4 -> row 8 (loaded),
+    1 finds no row (ring); C reads host 3 through the ring only. Layer 1: A picks 2 (host 0) ->
+    row 7 (loaded); B picks 1 (GPU block 5). Step 2, layer 0: the same picks: 3 is found (row 7),
+    4 was forgotten and is loaded again (row 8), 1 goes through the ring. Layer 1: host 0 is found.
     Reuse: layer 0 1 of 6 host picks, layer 1 1 of 2. Host reads (loads, K and V of one layer):
     layer 0 4 + 3 (C's fixed block each step, the ring's host 1, the cache loads), layer 1 2 + 1."""
     from nanovllm.kvcache.host_tier import HostTier
@@ -82,7 +83,7 @@ def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse
     from nanovllm.utils.context import Context, reset_context, set_context
 
     gen = torch.Generator().manual_seed(0)
-    gpu_blocks, rows = 6, 2
+    gpu_blocks, rows = 7, 2
     kv = torch.randn(2, LAYERS, gpu_blocks + rows, BLOCK, HEADS_KV, DIM, generator=gen)
     host = HostTier(LAYERS, BLOCK, HEADS_KV, DIM, torch.float32, torch.device("cpu"), 6, 2)
     host.k_host.copy_(torch.randn(host.k_host.shape, generator=gen))
@@ -93,7 +94,7 @@ def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse
     attention.bind(kv[0], kv[1], host, reuse)
     tables = [([0, -1, -1, -1, 2], [-1, 3, 0, 4, -1], 4 * BLOCK + 10),
               ([1, 5, -1, 4], [-1, -1, 1, -1], 3 * BLOCK + 100),
-              ([-1, 3], [2, -1], BLOCK + 5)]
+              ([6, -1, 3], [-1, 3, -1], 2 * BLOCK + 5)]
     scripts = [{0: [[1, 3], [2]], 1: [[2], [1]]}, {0: [[1, 3], [2]], 1: [[2], [1]]}]
     for step, script in enumerate(scripts):
         if step == 1:  # a spill rewrites host block 4
@@ -110,14 +111,14 @@ def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse
         try:
             for layer in range(LAYERS):
                 out = attention.forward(layer, q, torch.zeros(3, HEADS_KV, DIM), torch.zeros(3, HEADS_KV, DIM))
-                reads = [sorted({0, 4, *script[layer][0]}), sorted({0, 3, *script[layer][1]}), [0, 1]]
+                reads = [sorted({0, 4, *script[layer][0]}), sorted({0, 3, *script[layer][1]}), [0, 1, 2]]
                 for r, (gpus, hosts, length) in enumerate(tables):
                     ref = _reference(q[r], kv, host, layer, gpus, hosts, length, reads[r])
                     assert (out[r] - ref).abs().max() <= 1e-5, (step, layer, r)
         finally:
             reset_context()
         assert attention.ring.consumed == len(attention.ring.plan) == 3, "C's block at each layer, B's host 1 at layer 0"
-    assert reuse.cached(0) == {3: 6, 4: 7} and reuse.cached(1) == {0: 6}
+    assert reuse.cached(0) == {3: 7, 4: 8} and reuse.cached(1) == {0: 7}
     decode = stats.to_dict(True)["decode"]
     assert [r["reuse_rate"] for r in decode["per_layer"]] == [1 / 6, 1 / 2]
     assert (decode["reused_host_blocks"], decode["selected_host_blocks"]) == (2, 8)
@@ -143,3 +144,15 @@ def test_reuse_cache_option_is_checked(qwen3_dir):
         Config(qwen3_dir, enable_cpu_offload=True, num_reuse_cache_blocks=2)
     with pytest.raises(ValueError, match="at least 1 row"):
         ReuseCache(2, 0, 10)
+
+
+def test_reuse_cache_rows_follow_the_gpu_tier_and_are_budgeted(qwen3_dir):
+    from _util import build_llm
+
+    with build_llm(qwen3_dir, enable_cpu_offload=True, num_cpu_kvcache_blocks=8, num_ring_slots=2,
+                   sparse_policy="QUEST", num_reuse_cache_blocks=3) as llm:
+        cache, gpu_blocks = llm.model_runner.cache, llm.get_kv_cache_stats()["gpu_blocks"]
+        g = cache.geometry
+        assert cache.kv.shape[2] == gpu_blocks + 3 and cache.attention.reuse.first_row == gpu_blocks
+        layer_block = g.block_bytes // g.num_layers
+        assert cache.reserved_bytes(8) == 2 * layer_block + 8 * cache.metadata_bytes_per_block() + 3 * g.block_bytes

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.sparse import DecodeBlocks, SparsePolicy
 from nanovllm.utils.tensors import padded_rows, to_device
-
-NO_BLOCK = -1
 
 
 class _Row:
@@ -135,9 +134,11 @@ class DecodeSelection:
             for j in sorted(row.fixed + js) if js else row.fixed:
                 if row.gpu_table[j] != NO_BLOCK:
                     table.append(row.gpu_table[j])
+                elif j in row.fixed_set:  # a fixed host block: the ring's plan reads it
+                    continue
                 elif row.host_table[j] in rows_of:
                     table.append(rows_of[row.host_table[j]])
-                elif j not in row.fixed_set:  # a fixed host block is in the ring's plan already
+                else:
                     ring_loads.append((r, row.host_table[j]))
             tables.append(table)
             # every listed block is full but the last, the block being written (always on the GPU)

@@ -61,7 +61,7 @@ def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, sl
     return scores.masked_fill(slots < 0, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "stride_ss", "stride_os"])  # one variant whatever the batch
 def _quest_scores_kernel(
     q_ptr, kmin_ptr, kmax_ptr, slots_ptr, out_ptr, num_blocks, num_pages,
     stride_qs, stride_qh, stride_bs, stride_bp, stride_bh, stride_ss, stride_os, stride_om,
