@@ -10,14 +10,15 @@
 Default model: a random-weight checkpoint of ``--shape`` (Llama-3.1-8B, or Llama-3-8B with a
 1,048,576-token context and Gradient AI's rope_theta), created once under $NANOVLLM_CACHE.
 Decode is timed from the second decode step on (the first places every sequence's next block and
-compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered`` (``enable_cpu_offload=True``, ``--sparse-policy``,
-``--num-reuse-cache-blocks``), ``tiered-noreuse`` (the same without QUEST's reuse cache) and
-``tiered-full`` (the host tier with the FULL policy: the baseline of ``decode_over_tiered_full``, the
-decode speed of each other tiered mode over it). Reported per mode: TTFT of the batch (every
-sequence has its first token), prefill and decode tok/s, the tier split during decode
-(``get_kv_cache_stats`` after the first decode step, which places every sequence's next block),
-bytes moved each way, the host bytes read per decode step, the sparse statistics (with QUEST's
-reuse rate per layer), and on CUDA decode as a fraction of its bound:
+compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered``
+(``enable_cpu_offload=True``, ``--sparse-policy``, ``--num-reuse-cache-blocks``),
+``tiered-noreuse`` (the same without QUEST's reuse cache) and ``tiered-full`` (the host tier with
+the FULL policy: the baseline of ``decode_over_tiered_full``, the decode speed of each other
+tiered mode over it). Reported per mode: TTFT of the batch (every sequence has its first token),
+prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
+decode step, which places every sequence's next block), bytes moved each way, the host bytes read
+per decode step, the sparse statistics (with QUEST's reuse rate per layer), and on CUDA decode as
+a fraction of its bound:
 
     time per step >= max((GPU-resident KV + weights) / HBM bandwidth,
                          host bytes read per decode step / pinned bandwidth)
@@ -195,7 +196,8 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=1, help="sequences of --input-len, run together")
     parser.add_argument("--block-size", type=int, default=4096)
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="force the GPU tier (both modes)")
-    parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1, help="host tier blocks (-1: sized by the engine)")
+    parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1,
+                        help="host tier blocks (-1: sized by the engine)")
     parser.add_argument("--num-ring-slots", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
@@ -235,7 +237,8 @@ def main():
         report["tokens_identical"] = gpu["tokens"] == tiered["tokens"]
         report["tiered_over_gpu"] = {k: round(tiered[k] / gpu[k], 3) for k in ("prefill_tok_per_s", "decode_tok_per_s")}
     if {"tiered", "tiered-noreuse"} <= ok:  # the reuse cache changes traffic, not results (bf16 near-ties aside)
-        report["tokens_identical_with_and_without_reuse"] = results["tiered"]["tokens"] == results["tiered-noreuse"]["tokens"]
+        same = results["tiered"]["tokens"] == results["tiered-noreuse"]["tokens"]
+        report["tokens_identical_with_and_without_reuse"] = same
     if "tiered-full" in ok:
         full = results["tiered-full"]["decode_tok_per_s"]
         report["decode_over_tiered_full"] = {mode: round(results[mode]["decode_tok_per_s"] / full, 2)

@@ -117,7 +117,7 @@ def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse
                     assert (out[r] - ref).abs().max() <= 1e-5, (step, layer, r)
         finally:
             reset_context()
-        assert attention.ring.consumed == len(attention.ring.plan) == 3, "C's block at each layer, B's host 1 at layer 0"
+        assert attention.ring.consumed == len(attention.ring.plan) == 3, "C's block per layer, B's host 1 at layer 0"
     assert reuse.cached(0) == {3: 7, 4: 8} and reuse.cached(1) == {0: 7}
     decode = stats.to_dict(True)["decode"]
     assert [r["reuse_rate"] for r in decode["per_layer"]] == [1 / 6, 1 / 2]

@@ -192,7 +192,8 @@ class TieredAttention:
     def _tiered_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
         if ctx.selection is not None:
             return self._selected_decode(layer, q, ctx, k_cache, v_cache)
-        out, lse = decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale, return_lse=True)
+        out, lse = decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                                    return_lse=True)
         self._fold_ring(q, out, lse, ctx.host_loads)
         self.stats.add_comm(layer, False, len(ctx.host_loads), len(ctx.host_loads))
         return out.to(q.dtype)
