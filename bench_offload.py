@@ -3,18 +3,30 @@
     python bench_offload.py --input-len 130000 --block-size 4096                # one sequence, default budgets
     python bench_offload.py --input-len 32768 --num-seqs 8 --num-kvcache-blocks 32   # GPU tier: half the KV
     python bench_offload.py --shape llama-3-8b-1m --input-len 1000000 --decode-tokens 4 --modes gpu,tiered
+    python bench_offload.py --input-len 130000 --decode-tokens 16 --num-kvcache-blocks 2 \
+        --modes tiered-full,tiered-noreuse,tiered --sparse-policy QUEST --sparse-topk-blocks 4 \
+        --sparse-threshold-blocks 4                        # QUEST with and without reuse vs FULL
 
 Default model: a random-weight checkpoint of ``--shape`` (Llama-3.1-8B, or Llama-3-8B with a
 1,048,576-token context and Gradient AI's rope_theta), created once under $NANOVLLM_CACHE.
-Reported per mode (``gpu``: host tier off; ``tiered``: ``enable_cpu_offload=True``): TTFT of the
-batch (every sequence has its first token), prefill and decode tok/s, the tier split during
-decode (``get_kv_cache_stats`` after the first decode step, which places every sequence's next
-block), bytes moved each way, and on CUDA decode as a fraction of its bound:
+Decode is timed from the second decode step on (the first places every sequence's next block and
+compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered``
+(``enable_cpu_offload=True``, ``--sparse-policy``, ``--num-reuse-cache-blocks``),
+``tiered-noreuse`` (the same without QUEST's reuse cache) and ``tiered-full`` (the host tier with
+the FULL policy: the baseline of ``decode_over_tiered_full``, the decode speed of each other
+tiered mode over it). Reported per mode: TTFT of the batch (every sequence has its first token),
+prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
+decode step, which places every sequence's next block), bytes moved each way, the host bytes read
+per decode step, the sparse statistics (with QUEST's reuse rate per layer), and on CUDA decode as
+a fraction of its bound:
 
-    time per step >= max((GPU-resident KV + weights) / HBM bandwidth, host-resident KV / pinned bandwidth)
+    time per step >= max((GPU-resident KV + weights) / HBM bandwidth,
+                         host bytes read per decode step / pinned bandwidth)
 
-with both bandwidths measured here. A mode the engine refuses (e.g. GPU-only at 1M tokens)
-reports its error. ``--num-kvcache-blocks`` forces the GPU tier of both modes.
+with both bandwidths measured here. FULL reads every host-resident block each step (the bound of
+host-resident KV); QUEST only its picks not found in the reuse cache. A mode the engine refuses
+(e.g. GPU-only at 1M tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of
+every mode.
 """
 import argparse
 import gc
@@ -56,17 +68,25 @@ def sync():
         torch.cuda.synchronize()
 
 
-def _engine_kwargs(args, tiered: bool) -> dict:
+MODES = ("gpu", "tiered", "tiered-noreuse", "tiered-full")
+
+
+def _engine_kwargs(args, mode: str) -> dict:
+    policy = "FULL" if mode == "tiered-full" else args.sparse_policy
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
                   max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
-                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=args.sparse_policy,
+                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy,
                   sparse_topk_blocks=args.sparse_topk_blocks, sparse_threshold_blocks=args.sparse_threshold_blocks,
                   sparse_threshold=args.sparse_threshold)
     if args.num_kvcache_blocks is not None:
         kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks
-    if tiered:
+    if mode != "gpu":
         kwargs.update(enable_cpu_offload=True, num_ring_slots=args.num_ring_slots,
                       num_cpu_kvcache_blocks=args.num_cpu_kvcache_blocks)
+    if mode == "tiered" and policy == "QUEST":
+        kwargs["num_reuse_cache_blocks"] = args.num_reuse_cache_blocks
+    elif mode == "tiered-noreuse":
+        kwargs["num_reuse_cache_blocks"] = 0
     return kwargs
 
 
@@ -84,18 +104,34 @@ def _step_until(llm, done) -> list:
     return finished
 
 
-def _decode_bound(llm, stats: dict, bw: dict, num_seqs: int) -> float:
-    """Decode tok/s the hardware allows for this batch and tier split (see the module doc)."""
+def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_seqs: int) -> float:
+    """Decode tok/s the hardware allows for this batch, tier split and host reads (module doc)."""
     block_bytes = llm.model_runner.cache.geometry.block_bytes
     weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
     gpu_side = (stats["gpu_blocks_used"] * block_bytes + weights) / (bw["hbm_gb_per_s"] * 1e9)
-    host_side = stats["host_blocks_used"] * block_bytes / (bw["pinned_h2d_gb_per_s"] * 1e9)
+    host_side = host_bytes_per_step / (bw["pinned_h2d_gb_per_s"] * 1e9)
     return num_seqs / max(gpu_side, host_side)
 
 
-def run_mode(args, tiered: bool, bw: dict) -> dict:
+def _host_bytes_read(llm) -> int:
+    """Bytes copied from the host tier to the GPU so far (0 without a host tier)."""
+    host = llm.model_runner.cache.host
+    return host.bytes_h2d if host is not None else 0
+
+
+def _sparse_stats(llm) -> dict:
+    """Both phases' statistics without the per-layer rows, and decode's reuse rate per layer."""
+    stats = llm.get_sparse_stats()
+    out = {phase: {k: v for k, v in stats[phase].items() if k != "per_layer"} for phase in ("prefill", "decode")}
+    rates = [row["reuse_rate"] for row in stats["decode"]["per_layer"]]
+    if any(rate is not None for rate in rates):
+        out["decode"]["reuse_rate_per_layer"] = [None if r is None else round(r, 3) for r in rates]
+    return out
+
+
+def run_mode(args, mode: str, bw: dict) -> dict:
     try:
-        llm = LLM(args.model, **_engine_kwargs(args, tiered))
+        llm = LLM(args.model, **_engine_kwargs(args, mode))
     except (RuntimeError, ValueError) as err:
         return {"error": str(err)}
     try:
@@ -120,29 +156,34 @@ def _measure(llm, args, bw: dict) -> dict:
     finished = _step_until(llm, lambda: not llm.scheduler.waiting and all(
         s.num_completion_tokens for s in llm.scheduler.running))
     ttft = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    finished += llm.step()[0]  # the first decode step places (and may spill) every sequence's next block
+    # The first decode step places (and may spill) every sequence's next block and compiles the
+    # decode kernels on a fresh Triton cache: decode is timed from the second step on.
+    finished += llm.step()[0]
+    sync()
     at_decode = llm.get_kv_cache_stats()
+    host_bytes_at_decode = _host_bytes_read(llm)
+    t1 = time.perf_counter()
     finished += _step_until(llm, llm.is_finished)
     decode_s = time.perf_counter() - t1
     after = llm.get_kv_cache_stats()
     block_bytes = llm.model_runner.cache.geometry.block_bytes
-    steps = args.decode_tokens - 1
+    steps = args.decode_tokens - 2
+    host_bytes_per_step = (_host_bytes_read(llm) - host_bytes_at_decode) / steps
     result = {"ttft_s": round(ttft, 3), "prefill_tok_per_s": round(args.num_seqs * args.input_len / ttft, 1),
               "decode_tok_per_s": round(args.num_seqs * steps / decode_s, 2),
               "tpot_ms": round(decode_s / steps * 1e3, 3), "tiers_at_decode": at_decode,
               "bytes_h2d": (after["loaded_blocks"] - before["loaded_blocks"]) * block_bytes,
               "bytes_d2h": (after["spilled_blocks"] - before["spilled_blocks"]) * block_bytes,
+              "host_bytes_per_decode_step": round(host_bytes_per_step),
+              "host_resident_bytes_at_decode": at_decode["host_blocks_used"] * block_bytes,
               "preemptions": after["preemptions"] - before["preemptions"],
               "tokens": [s.completion_token_ids for s in sorted(finished, key=lambda s: s.seq_id)]}
     if torch.cuda.is_available():
-        bound = _decode_bound(llm, at_decode, bw, args.num_seqs)
+        bound = _decode_bound(llm, at_decode, host_bytes_per_step, bw, args.num_seqs)
         result.update(decode_bound_tok_per_s=round(bound, 2),
                       decode_fraction_of_bound=round(result["decode_tok_per_s"] / bound, 3))
-    if args.sparse_policy != "FULL":
-        stats = llm.get_sparse_stats()
-        result["sparse_stats"] = {phase: {k: v for k, v in stats[phase].items() if k != "per_layer"}
-                                  for phase in ("prefill", "decode")}
+    if llm.config.sparse_policy.value != "FULL":
+        result["sparse_stats"] = _sparse_stats(llm)
     return result
 
 
@@ -155,22 +196,25 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=1, help="sequences of --input-len, run together")
     parser.add_argument("--block-size", type=int, default=4096)
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="force the GPU tier (both modes)")
-    parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1, help="host tier blocks (-1: sized by the engine)")
+    parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1,
+                        help="host tier blocks (-1: sized by the engine)")
     parser.add_argument("--num-ring-slots", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
     parser.add_argument("--sparse-threshold", type=float, default=0.9)
     parser.add_argument("--sparse-topk-blocks", type=int, default=8)
     parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
-    parser.add_argument("--modes", default="gpu,tiered", help="comma-separated: gpu, tiered")
+    parser.add_argument("--num-reuse-cache-blocks", type=int, default=-1,
+                        help="QUEST's reuse cache in mode tiered (-1: the engine's default, sparse-topk-blocks)")
+    parser.add_argument("--modes", default="gpu,tiered", help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if not set(modes) <= {"gpu", "tiered"}:
-        parser.error(f"--modes must list gpu and/or tiered, got {args.modes!r}")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes must list some of {', '.join(MODES)}, got {args.modes!r}")
     for name in ("input_len", "decode_tokens", "num_seqs"):
-        if getattr(args, name) < (2 if name == "decode_tokens" else 1):
+        if getattr(args, name) < (3 if name == "decode_tokens" else 1):
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     if args.model is None:
         cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
@@ -182,15 +226,23 @@ def main():
         parser.error(f"--input-len + --decode-tokens = {args.input_len + args.decode_tokens} exceeds the model's "
                      f"max_position_embeddings={limit}")
     bw = bandwidths()
-    results = {mode: run_mode(args, mode == "tiered", bw) for mode in modes}
+    results = {mode: run_mode(args, mode, bw) for mode in modes}
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **bw,
               "args": {k: v for k, v in vars(args).items() if k != "model"}}
     for mode, r in results.items():
         report[mode] = {k: v for k, v in r.items() if k != "tokens"}
-    if all("tokens" in results.get(m, {}) for m in ("gpu", "tiered")):
+    ok = {mode for mode, r in results.items() if "tokens" in r}
+    if {"gpu", "tiered"} <= ok:
         gpu, tiered = results["gpu"], results["tiered"]
         report["tokens_identical"] = gpu["tokens"] == tiered["tokens"]
         report["tiered_over_gpu"] = {k: round(tiered[k] / gpu[k], 3) for k in ("prefill_tok_per_s", "decode_tok_per_s")}
+    if {"tiered", "tiered-noreuse"} <= ok:  # the reuse cache changes traffic, not results (bf16 near-ties aside)
+        same = results["tiered"]["tokens"] == results["tiered-noreuse"]["tokens"]
+        report["tokens_identical_with_and_without_reuse"] = same
+    if "tiered-full" in ok:
+        full = results["tiered-full"]["decode_tok_per_s"]
+        report["decode_over_tiered_full"] = {mode: round(results[mode]["decode_tok_per_s"] / full, 2)
+                                             for mode in sorted(ok - {"gpu", "tiered-full"})}
     print(json.dumps(report))
 
 

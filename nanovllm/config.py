@@ -96,8 +96,14 @@ class Config:
             2025; decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
             ``LLM.get_sparse_stats()`` reports the densities.
         sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
-            first and the last block, which are always loaded.
+            first block and the two last ones (the block being written and the one before it),
+            which are always loaded.
         sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
+        num_reuse_cache_blocks: QUEST with the host tier: GPU blocks (of every layer) that keep
+            host-tier blocks selected in recent decode steps, so a block selected again is read
+            in place instead of loaded again (``docs/kvcache.md``); taken from the GPU tier's
+            memory budget. -1 (default): ``sparse_topk_blocks`` (one step's picks of a sequence);
+            0: no reuse cache. A positive value needs ``enable_cpu_offload`` and QUEST.
         sparse_threshold: XATTN_BSA, share of the estimated attention mass each (head, query
             block) keeps, in [0, 1] (default 0.9; 1.0 keeps every block: FULL's result).
         sparse_stride: XATTN_BSA antidiagonal stride of the estimation, a power of two in
@@ -132,6 +138,7 @@ class Config:
     sparse_policy: str = "FULL"
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
+    num_reuse_cache_blocks: int = -1
     sparse_threshold: float = 0.9
     sparse_stride: int = 8
     sparse_block_size: int = 128
@@ -186,6 +193,13 @@ class Config:
         self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
         _check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
         _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)
+        if self.num_reuse_cache_blocks != -1:
+            _check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
+        if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
+                                                    self.sparse_policy is SparsePolicyType.QUEST):
+            raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
+                             f"and sparse_policy='QUEST' (got {self.enable_cpu_offload}, "
+                             f"{self.sparse_policy.value!r}); use -1 or 0")
         self._check_xattn()
 
     def _check_xattn(self):

@@ -54,7 +54,8 @@ def test_gpu_only_full_has_no_communication(llm_factory, llama_tied_dir):
                                  "available_host_blocks": 0, "per_layer": [], "kept_blocks": None,
                                  "visible_blocks": None},
                      "decode": {"comm_density": None, "loaded_host_blocks": 0, "available_host_blocks": 0,
-                                "per_layer": []}}
+                                "per_layer": [], "reuse_rate": None, "reused_host_blocks": 0,
+                                "selected_host_blocks": 0}}
 
 
 def test_stats_sum_per_layer_and_stay_on_the_device_until_read():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _util import build_llm, generate_with_logits, greedy, random_prompt
+from nanovllm.sparse import QuestPolicy
 
 BLOCK = 256
 PROMPT_LENS = (1, 100, 255, 256, 257, 1000, 3000, 700)
@@ -110,29 +111,64 @@ def test_repeated_prompt_hits_blocks_spilled_to_the_host(qwen3_dir):
         assert ref.generate(prompt, greedy(20), use_tqdm=False)[0]["token_ids"] == first["token_ids"]
 
 
-@pytest.mark.parametrize("policy", [dict(sparse_policy="QUEST", sparse_topk_blocks=16, sparse_threshold_blocks=0),
-                                    dict(sparse_policy="XATTN_BSA", sparse_threshold=1.0)], ids=["quest", "xattn"])
-def test_exact_sparse_settings_equal_full_across_tiers(qwen3_dir, prompts, references, policy):
-    """QUEST with top-k >= blocks reads every block of both tiers; XATTN_BSA at threshold 1.0 keeps
-    every block: both give FULL's tokens and logits."""
-    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST, **policy) as llm:
+def test_xattn_at_threshold_1_equals_full_across_tiers(qwen3_dir, prompts, references):
+    """XATTN_BSA at threshold 1.0 keeps every block: FULL's tokens and logits (QUEST reading every
+    block: the test below)."""
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST, sparse_policy="XATTN_BSA",
+                   sparse_threshold=1.0) as llm:
         _assert_equal(generate_with_logits(llm, prompts, DECODE), references["qwen3"])
         assert llm.get_kv_cache_stats()["spilled_blocks"] > 0
 
 
-def test_quest_reads_fewer_host_blocks(qwen3_dir, prompts):
+@pytest.mark.parametrize("tiers", [dict(num_kvcache_blocks=64),
+                                   dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=0),
+                                   dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=2),
+                                   dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=32)],
+                         ids=["gpu-only", "no-reuse-cache", "reuse-cache-2", "reuse-cache-32"])
+def test_quest_selecting_every_block_equals_full(qwen3_dir, prompts, references, monkeypatch, tiers):
+    """QUEST with top-k >= blocks, made to select for every sequence of 4+ blocks (its own rule
+    reads every block without selecting then): each layer scores and picks every candidate, and
+    the picks are read where they are: in place in the GPU tier,
+    through the ring (no reuse cache), through reuse-cache rows with evictions and ring overflow
+    (2 rows), or found there from the second step on (32 rows). FULL's tokens and logits."""
+    monkeypatch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 3)
+    chosen = [i for i, n in enumerate(PROMPT_LENS) if n >= 1000]  # 4+ blocks: candidates besides the 3 fixed
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, sparse_policy="QUEST", sparse_topk_blocks=16,
+                   sparse_threshold_blocks=0, **tiers) as llm:
+        tokens, logits = generate_with_logits(llm, [prompts[i] for i in chosen], DECODE)
+        decode = llm.get_sparse_stats()["decode"]
+    ref_tokens, ref_logits = references["qwen3"]
+    assert tokens == [ref_tokens[i] for i in chosen]
+    for i, ours in zip(chosen, logits):
+        assert (ours - ref_logits[i]).abs().max().item() <= 1e-5, f"prompt of {PROMPT_LENS[i]} tokens"
+    reuse = tiers.get("num_reuse_cache_blocks")
+    if reuse is None:
+        assert decode["comm_density"] is None, "no host tier"
+    else:
+        assert decode["loaded_host_blocks"] + decode["reused_host_blocks"] == decode["available_host_blocks"]
+        assert (decode["reuse_rate"] is None) == (reuse == 0)
+        if reuse == 32:
+            assert decode["reuse_rate"] > 0.9, decode  # every host block is read every step: found from the 2nd on
+
+
+def test_quest_reads_fewer_host_blocks_and_the_reuse_cache_only_traffic(qwen3_dir, prompts):
+    """Sparse QUEST (top-k 1) reads fewer host blocks than FULL; with a reuse cache it gives the
+    same tokens and logits as without one, and the host blocks it found in the cache are exactly
+    the loads it saved."""
     opts = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST)
-    loaded = {}
-    for name, policy in (("full", {}), ("quest", dict(sparse_policy="QUEST", sparse_topk_blocks=1,
-                                                        sparse_threshold_blocks=2))):
+    quest = dict(sparse_policy="QUEST", sparse_topk_blocks=1, sparse_threshold_blocks=2)
+    runs = {}
+    for name, policy in (("full", {}), ("no-reuse", dict(quest, num_reuse_cache_blocks=0)),
+                         ("reuse", dict(quest, num_reuse_cache_blocks=4))):
         with build_llm(qwen3_dir, **opts, **policy) as llm:
-            out = llm.generate(prompts[-3:], greedy(DECODE), use_tqdm=False)
-            assert all(len(o["token_ids"]) == DECODE for o in out)
-            loaded[name] = llm.get_kv_cache_stats()["loaded_blocks"]
-            stats = llm.get_sparse_stats()["decode"]
-        if name == "quest":
-            assert 0 < stats["comm_density"] < 1
-    assert loaded["quest"] < loaded["full"]
+            got = generate_with_logits(llm, prompts[-3:], DECODE)
+            runs[name] = got, llm.get_kv_cache_stats()["loaded_blocks"], llm.get_sparse_stats()["decode"]
+    (_, full_loaded, _), (ref, loaded, off), (got, reuse_loaded, on) = runs["full"], runs["no-reuse"], runs["reuse"]
+    assert 0 < off["comm_density"] < 1 and loaded < full_loaded
+    assert got[0] == ref[0] and all((a - b).abs().max().item() <= 1e-5 for a, b in zip(got[1], ref[1]))
+    assert on["reused_host_blocks"] > 0
+    assert on["loaded_host_blocks"] + on["reused_host_blocks"] == off["loaded_host_blocks"]
+    assert reuse_loaded < loaded
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
     each step: cache.begin_step(spills) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
-The GPU tier is one tensor ``[2, L, num_gpu_blocks, block_size, Hkv, D]`` (keys, values) read in
-place by the paged kernels; the host tier (``host_tier.py``) holds spilled blocks in pinned memory.
+The GPU tier is one tensor ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys,
+values) read in place by the paged kernels, its last blocks the decode reuse cache's rows
+(``reuse.py``); the host tier (``host_tier.py``) holds spilled blocks in pinned memory.
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
 side); a step carries it here as each sequence's two block tables and the list of spills. The
 attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
@@ -21,8 +22,10 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
-from nanovllm.sparse import DecodeBlocks, SparseStats, create_policy
-from nanovllm.utils.context import Context, DecodeSelection, PrefixGather, reset_context, set_context
+from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
+from nanovllm.kvcache.selection import DecodeSelection
+from nanovllm.sparse import SparseStats, create_policy
+from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
 from nanovllm.utils.tensors import padded_rows, to_device
 
 logger = logging.getLogger(__name__)
@@ -39,12 +42,14 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
                                    config.dtype)
         self.policy = create_policy(config, layer.scale)
+        self.reuse_rows = reuse_cache_rows(config, self.policy.chooses_decode_blocks)
         self.stats = SparseStats()
         self.attention = TieredAttention(self.policy, self.stats, layer.scale)
         for i, module in enumerate(layers):
             module.layer_id, module.kv_cache = i, self
         self.kv: torch.Tensor | None = None
         self.host: HostTier | None = None
+        self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -57,11 +62,13 @@ class KVCache:
         return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
 
     def reserved_bytes(self, num_host_blocks: int) -> int:
-        """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata."""
+        """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata,
+        the reuse cache's rows."""
         if not self.config.enable_cpu_offload:
             return 0
         slot_bytes = self.geometry.block_bytes // self.geometry.num_layers
-        return self.config.num_ring_slots * slot_bytes + num_host_blocks * self.metadata_bytes_per_block()
+        return (self.config.num_ring_slots * slot_bytes + num_host_blocks * self.metadata_bytes_per_block()
+                + self.reuse_rows * self.geometry.block_bytes)
 
     def allocate(self, sizes: TierSizes):
         """Allocate both tiers and the policy's metadata.
@@ -70,7 +77,7 @@ class KVCache:
             RuntimeError: the GPU tier or the host tier cannot be allocated (with the byte counts).
         """
         g, cuda = self.geometry, self.device.type == "cuda"
-        shape = (2, g.num_layers, sizes.gpu_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        shape = (2, g.num_layers, sizes.gpu_blocks + self.reuse_rows, g.block_size, g.num_kv_heads, g.head_dim)
         try:  # on CPU untouched pages cost nothing: every slot is written before it is read
             self.kv = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
         except RuntimeError as err:
@@ -80,7 +87,9 @@ class KVCache:
         if self.config.enable_cpu_offload:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots)
-        self.attention.bind(self.kv[0], self.kv[1], self.host)
+        self.num_gpu_blocks = sizes.gpu_blocks
+        reuse = ReuseCache(g.num_layers, self.reuse_rows, sizes.gpu_blocks) if self.reuse_rows else None
+        self.attention.bind(self.kv[0], self.kv[1], self.host, reuse)
         self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                              sizes.gpu_blocks, sizes.host_blocks)
         self._log(sizes)
@@ -91,7 +100,9 @@ class KVCache:
         logger.info("KV cache: %s; %d-token blocks of %d layers in %s%s", ", ".join(
             f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
             for name, n in tiers), g.block_size, g.num_layers, g.dtype,
-            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}" if self.host else "")
+            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}, "
+            f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB)"
+            if self.host else "")
 
     def release(self):
         if self.host is not None:
@@ -106,6 +117,7 @@ class KVCache:
         if not spills:
             return
         self.host.spill(spills, self.kv[0], self.kv[1])
+        self.attention.forget_host_blocks([host_id for _, host_id in spills])
         if self.policy.needs_block_metadata:
             gpu_ids, host_ids = zip(*spills)
             self.policy.on_spill(to_device(gpu_ids, torch.int64, self.device),
@@ -205,20 +217,9 @@ class KVCache:
         return ctx, input_ids, positions, list(range(len(seqs)))
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
-        """The batch's choosing sequences, when the policy chooses for any."""
-        if not self.policy.chooses_decode_blocks:
-            return None
-        rows = [row for row, seq in enumerate(seqs) if self.policy.selects(len(seq.block_table))]
-        if not rows:
-            return None
-        width = max(len(seqs[row].block_table) for row in rows)
-        blocks = DecodeBlocks(rows, [len(seqs[row].block_table) for row in rows],
-                              [len(seqs[row]) // self.geometry.block_size for row in rows],
-                              to_device(padded_rows([seqs[r].block_table for r in rows], width), torch.int64,
-                                        self.device),
-                              to_device(padded_rows([seqs[r].host_block_table for r in rows], width), torch.int64,
-                                        self.device))
-        return DecodeSelection(blocks, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs])
+        """The batch's choosing part, when the policy chooses for some sequence."""
+        return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],
+                                     self.num_gpu_blocks, self.geometry.block_size, self.device)
 
     # ---- observability -----------------------------------------------------------------
     def loaded_blocks(self) -> int:

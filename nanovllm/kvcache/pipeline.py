@@ -14,33 +14,41 @@
   (:func:`nanovllm.ops.decode_attend_merge`). The loads of a step form one plan across layers, so
   the ring keeps loading the next layer's blocks while this layer computes. A batch without host
   blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
-- **Decode with a choosing policy** (QUEST): per layer the policy picks each sequence's blocks in
-  both tiers; the GPU-resident picks form the paged tables, the host picks the ring's loads.
+- **Decode with a choosing policy** (QUEST, ``selection.py``): the blocks read whatever the query
+  (the fixed ones) are known per step, so their host loads are planned a layer ahead. Per layer
+  the policy scores the candidates on the device; the picks come back through one event (no
+  stream sync); the picked host blocks not already in the reuse cache (``reuse.py``) are loaded
+  into its rows at once (those it has no row for go through the ring), then one paged read covers
+  the GPU-tier blocks and the reuse-cache rows, and the ring's blocks are folded in.
 """
 import torch
 
 from nanovllm.kvcache.host_tier import HostTier
+from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.selection import PickReader
 from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
                           prefill_attention, store_kvcache)
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
 from nanovllm.utils.context import Context, PrefixGather, get_context
-from nanovllm.utils.tensors import padded_rows, to_device
 
 
 class RingReader:
     """Reads host blocks through the ring slots in the order of a plan of ``(layer, host block)``
     loads: load ``g`` goes to slot ``g % N`` and is issued as soon as that slot is free, so up to
-    ``N`` loads are in flight, across layer boundaries."""
+    ``N`` loads are in flight, across layer boundaries. A serial plan issues every load on one
+    stream, so they land in plan order (each folded while the next one loads, and later loads
+    never share the link with earlier ones); otherwise each slot has its own stream."""
 
     def __init__(self, tier: HostTier):
         self.tier = tier
         self.plan: list[tuple[int, int]] = []
         self.issued = self.consumed = 0
+        self.serial = False
 
-    def reset(self, plan: list[tuple[int, int]]):
+    def reset(self, plan: list[tuple[int, int]], serial: bool = False):
         """A new plan (a step's); its first loads start now."""
-        self.plan, self.issued, self.consumed = list(plan), 0, 0
+        self.plan, self.issued, self.consumed, self.serial = list(plan), 0, 0, serial
         self._issue()
 
     def extend(self, loads: list[tuple[int, int]]):
@@ -51,7 +59,8 @@ class RingReader:
         limit = min(len(self.plan), self.consumed + self.tier.num_slots)
         while self.issued < limit:
             layer, host_id = self.plan[self.issued]
-            self.tier.load(self.issued % self.tier.num_slots, layer, host_id)
+            slot = self.issued % self.tier.num_slots
+            self.tier.load(slot, layer, host_id, stream=0 if self.serial else slot)
             self.issued += 1
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,22 +82,34 @@ class TieredAttention:
         self.k_cache = self.v_cache = None
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
+        self.reuse: ReuseCache | None = None
+        self.picks = PickReader()
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostTier | None):
-        """The GPU tier ``[L, num_gpu_blocks, block_size, Hkv, D]`` (keys, values) and the host tier."""
-        self.k_cache, self.v_cache, self.host = k_cache, v_cache, host
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostTier | None,
+             reuse: ReuseCache | None = None):
+        """The GPU tier ``[L, blocks, block_size, Hkv, D]`` (keys, values; the reuse cache's rows
+        after the block manager's blocks), the host tier and the reuse cache."""
+        self.k_cache, self.v_cache, self.host, self.reuse = k_cache, v_cache, host, reuse
         self.ring = RingReader(host) if host is not None else None
 
     def release(self):
-        self.k_cache = self.v_cache = self.host = self.ring = None
+        self.k_cache = self.v_cache = self.host = self.ring = self.reuse = None
+
+    def forget_host_blocks(self, host_ids: list[int]):
+        """Host blocks ``host_ids`` are being rewritten (spills): the reuse cache drops them."""
+        if self.reuse is not None:
+            self.reuse.forget(host_ids)
 
     def begin_step(self, ctx: Context):
-        """Plan the step's ring loads: every layer reads ``ctx.host_loads`` (unless the policy
-        chooses per layer), so the whole step is one plan."""
+        """Plan the step's first ring loads: every layer reads ``ctx.host_loads``, so without a
+        choosing policy the whole step is one plan; with one, the fixed host loads of layer 0
+        (each layer adds its picks and the next layer's fixed loads)."""
         if self.ring is not None:
-            plan = [] if ctx.selection is not None else [(layer, host_id) for layer in range(self.k_cache.shape[0])
-                                                          for _, host_id in ctx.host_loads]
-            self.ring.reset(plan)
+            if ctx.selection is None:
+                self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
+                                 for _, host_id in ctx.host_loads])
+            else:
+                self.ring.reset([(0, host_id) for _, host_id in ctx.selection.fixed_loads], serial=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one layer: q ``[N, Hq, D]``, k, v ``[N, Hkv, D]`` (the batch's new
@@ -169,33 +190,41 @@ class TieredAttention:
 
     # ---- decode ------------------------------------------------------------------------
     def _tiered_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
-        if ctx.selection is None:
-            tables, lens, loads = ctx.block_tables, ctx.context_lens, ctx.host_loads
-        else:
-            tables, lens, loads = self._select(layer, q, ctx)
-            self.ring.extend([(layer, host_id) for _, host_id in loads])
+        if ctx.selection is not None:
+            return self._selected_decode(layer, q, ctx, k_cache, v_cache)
+        out, lse = decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                                    return_lse=True)
+        self._fold_ring(q, out, lse, ctx.host_loads)
+        self.stats.add_comm(layer, False, len(ctx.host_loads), len(ctx.host_loads))
+        return out.to(q.dtype)
+
+    def _selected_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
+        """The policy's picks at ``layer`` (read back through one event), their host loads issued
+        first (reuse-cache rows, else the ring, then the next layer's fixed loads), one paged read
+        of GPU-tier blocks and reuse-cache rows, then the ring's blocks folded in."""
+        selection = ctx.selection
+        picks = self.picks.read(self.policy.select_decode_blocks(layer, selection.queries(q), selection.blocks))
+        reads = selection.layer_reads(picks, self.reuse, layer)
+        if reads.cache_loads:
+            self.host.load_rows(layer, reads.cache_loads, k_cache, v_cache)
+        if self.ring is not None:
+            ahead = [(layer + 1, h) for _, h in selection.fixed_loads] if layer + 1 < self.k_cache.shape[0] else []
+            self.ring.extend([(layer, h) for _, h in reads.ring_loads] + ahead)
+        tables, lens = reads.device_tables(q.device)
+        if reads.cache_loads:
+            self.host.wait_rows()
         out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True)
+        self._fold_ring(q, out, lse, selection.fixed_loads + reads.ring_loads)
+        if ctx.host_loads:
+            loaded = len(selection.fixed_loads) + len(reads.ring_loads) + len(reads.cache_loads)
+            self.stats.add_comm(layer, False, loaded, len(ctx.host_loads))
+        if self.reuse is not None and reads.selected:
+            self.stats.add_reuse(layer, reads.reused, reads.selected)
+        return out.to(q.dtype)
+
+    def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]]):
+        """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``."""
         for row, _ in loads:
             k_block, v_block = self.ring.next()
             decode_attend_merge(q[row], k_block, v_block, out[row], lse[row], self.scale)
             self.ring.done()
-        if ctx.host_loads:
-            self.stats.add_comm(layer, False, len(loads), len(ctx.host_loads))
-        return out.to(q.dtype)
-
-    def _select(self, layer, q, ctx: Context):
-        """The policy's picks at ``layer``: GPU-tier tables and lengths of the picked resident
-        blocks (device tensors) and the picked host blocks ``(row, host block)``."""
-        selection, block_size = ctx.selection, self.k_cache.shape[2]
-        picks = dict(zip(selection.blocks.rows,
-                         self.policy.select_decode_blocks(layer, q[selection.blocks.rows], selection.blocks)))
-        tables, lens, loads = [], [], []
-        for row, (gpu_table, host_table, length) in enumerate(selection.tables):
-            indices = picks.get(row, range(len(gpu_table)))
-            resident = [gpu_table[j] for j in indices if gpu_table[j] >= 0]
-            loads += [(row, host_table[j]) for j in indices if host_table[j] >= 0]
-            tables.append(resident)
-            lens.append(length - (len(gpu_table) - len(resident)) * block_size)
-        width = max(map(len, tables))
-        return (to_device(padded_rows(tables, width), torch.int32, q.device),
-                to_device(lens, torch.int32, q.device), loads)

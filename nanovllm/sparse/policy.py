@@ -1,16 +1,20 @@
 """The sparse-policy interface: a policy chooses what attention reads, nothing else.
 
-The attention pipeline (``nanovllm/kvcache/attention.py``) asks the engine's policy two questions:
+The attention pipeline (``nanovllm/kvcache/pipeline.py``) asks the engine's policy two questions:
 
 - **prefill**: :meth:`SparsePolicy.prefill_mask`, a block-sparse mask over a sequence's chunk of
   queries and its whole context (None: dense);
-- **decode**: :meth:`SparsePolicy.selects` (does this many blocks call for a choice?) and
-  :meth:`SparsePolicy.select_decode_blocks`, the blocks each sequence reads, in both tiers.
+- **decode**: :meth:`SparsePolicy.selects` (does this many blocks call for a choice?),
+  :meth:`SparsePolicy.fixed_decode_blocks` (the blocks read whatever the query, known before the
+  query exists, so the pipeline can start loading them early) and
+  :meth:`SparsePolicy.select_decode_blocks`, the query-dependent picks among the other blocks, in
+  both tiers, as a device tensor (the pipeline reads it back once per layer).
 
 Policies keep per-block metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
 once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full and
-:meth:`~SparsePolicy.on_spill` when blocks move to the host tier. A policy never copies KV, never
-touches streams, ring slots or statistics.
+:meth:`~SparsePolicy.on_spill` when blocks move to the host tier. Metadata of both tiers is
+indexed by *metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block ``h`` is slot
+``num_gpu_blocks + h``. A policy never copies KV, never touches streams, ring slots or statistics.
 """
 from dataclasses import dataclass
 from enum import Enum
@@ -36,23 +40,20 @@ class SparsePolicyType(Enum):
 
 @dataclass
 class DecodeBlocks:
-    """The KV blocks of the decode sequences whose policy selects, padded to ``M`` columns.
+    """The candidate blocks of the decode sequences whose policy selects (one step), padded to
+    ``M`` columns: every block but the fixed ones (:meth:`SparsePolicy.fixed_decode_blocks`).
 
     Attributes:
         rows: the sequences' rows in the decode batch (host list, length ``S``).
         num_blocks: each sequence's block count (host list), ``<= M``.
-        num_full_blocks: how many of them are full (host list): all but the block being written,
-            or all of them when that one just became full.
-        gpu_ids: int64 ``[S, M]`` on the device: the GPU-tier block of each logical block, -1 if
-            it is on the host tier or padding.
-        host_ids: int64 ``[S, M]``: the host-tier block, -1 if on the GPU tier or padding.
+        slots: int64 ``[S, M]`` on the device: the metadata slot of logical block ``j`` of each
+            sequence (GPU block ``g`` -> ``g``, host block ``h`` -> ``num_gpu_blocks + h``) where
+            ``j`` is a candidate, -1 where it is fixed or padding.
     """
 
     rows: list[int]
     num_blocks: list[int]
-    num_full_blocks: list[int]
-    gpu_ids: torch.Tensor
-    host_ids: torch.Tensor
+    slots: torch.Tensor
 
 
 class SparsePolicy:
@@ -87,7 +88,7 @@ class SparsePolicy:
 
     def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
         """GPU blocks ``gpu_ids`` (int64 ``[n]``) became full: their keys of every layer are
-        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, num_gpu_blocks, block_size, Hkv, D]``)."""
+        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv, D]``)."""
 
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
         """Full blocks moved from the GPU tier (``gpu_ids``) to the host tier (``host_ids``)."""
@@ -102,7 +103,22 @@ class SparsePolicy:
         """Whether a decode step over ``num_blocks`` blocks reads fewer than all of them."""
         return False
 
-    def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> list[list[int]]:
-        """For each sequence of ``blocks``, the logical block indices its decode query reads at
-        ``layer``, increasing. ``q``: ``[S, Hq, D]``, the queries of ``blocks.rows``. Default: all."""
-        return [list(range(n)) for n in blocks.num_blocks]
+    def fixed_decode_blocks(self, num_blocks: int) -> list[int]:
+        """For a sequence of ``num_blocks`` blocks that :meth:`selects`: the logical blocks its
+        decode reads whatever the query, increasing (the pipeline adds the last block, the one
+        being written, in any case). Default: the first and the last."""
+        return sorted({0, num_blocks - 1})
+
+    def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """The candidates each sequence of ``blocks`` reads at ``layer``, chosen with its decode
+        query, without syncing with the host.
+
+        Args:
+            q: ``[S, Hq, D]``, the queries of ``blocks.rows``.
+
+        Returns:
+            int64 ``[S, k]`` on q's device: logical block indices (candidates of
+            ``blocks.slots``), each at most once per row, -1 for no pick. Default: every candidate.
+        """
+        columns = torch.arange(blocks.slots.shape[1], device=blocks.slots.device)
+        return torch.where(blocks.slots >= 0, columns, -1)

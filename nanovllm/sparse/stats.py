@@ -6,7 +6,11 @@ policy only chooses).
   every visible key (FULL, QUEST) report 1.0 without counting.
 - **communication density** (host tier, prefill and decode): host-tier blocks read (keys and
   values) / host-tier blocks the attention could have read, per layer. Prefill reads every host
-  block of a sequence's context (1.0); QUEST's decode reads its selection.
+  block of a sequence's context (1.0); QUEST's decode reads its selection, less the blocks found
+  in the reuse cache.
+- **reuse rate** (decode, QUEST with the reuse cache): host-tier blocks selected by the query that
+  were found in the GPU-side reuse cache (not loaded) / host-tier blocks selected by the query,
+  per layer; each distinct block counts once per layer and step.
 
 Counting never syncs with the device: kept-block counts accumulate as device tensors, everything
 else as Python ints; :meth:`SparseStats.to_dict` converts (one sync per layer, on request).
@@ -45,6 +49,8 @@ class SparseStats:
         self._visible: dict[int, int] = {}
         self._loaded = {phase: {} for phase in PHASES}
         self._available = {phase: {} for phase in PHASES}
+        self._reused: dict[int, int] = {}
+        self._selected: dict[int, int] = {}
 
     def add_compute(self, layer: int, kept: torch.Tensor | int, visible: int) -> None:
         """Prefill at ``layer`` kept ``kept`` (an int or a 0-dim device tensor, not synced) of
@@ -57,6 +63,12 @@ class SparseStats:
         phase = PHASES[0] if is_prefill else PHASES[1]
         self._loaded[phase][layer] = self._loaded[phase].get(layer, 0) + loaded
         self._available[phase][layer] = self._available[phase].get(layer, 0) + available
+
+    def add_reuse(self, layer: int, reused: int, selected: int) -> None:
+        """Decode at ``layer`` found ``reused`` of ``selected`` query-selected host-tier blocks in
+        the reuse cache."""
+        self._reused[layer] = self._reused.get(layer, 0) + reused
+        self._selected[layer] = self._selected.get(layer, 0) + selected
 
     def to_dict(self, dense_prefill: bool) -> dict:
         """``{"prefill": {...}, "decode": {...}}`` of plain Python numbers (see
@@ -75,7 +87,12 @@ class SparseStats:
         prefill["density"] = density(kept)
         prefill["kept_blocks"] = None if dense_prefill else sum(kept.values())
         prefill["visible_blocks"] = None if dense_prefill else sum(self._visible.values())
-        return {"prefill": prefill, "decode": self._comm("decode", sorted(self._available["decode"]))}
+        decode = self._comm("decode", sorted(self._available["decode"]))
+        decode.update(reuse_rate=_ratio(sum(self._reused.values()), sum(self._selected.values())),
+                      reused_host_blocks=sum(self._reused.values()), selected_host_blocks=sum(self._selected.values()))
+        for row in decode["per_layer"]:
+            row["reuse_rate"] = _ratio(self._reused.get(row["layer"], 0), self._selected.get(row["layer"], 0))
+        return {"prefill": prefill, "decode": decode}
 
     def _comm(self, phase: str, layers: list[int]) -> dict:
         loaded, available = self._loaded[phase], self._available[phase]

@@ -5,8 +5,12 @@ The model's forward signature stays ``(input_ids, positions)`` as in HF and nano
 attention layers need about the batch travels here, set before and cleared after each forward.
 """
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nanovllm.kvcache.selection import DecodeSelection
 
 
 @dataclass
@@ -28,19 +32,6 @@ class PrefixGather:
 
 
 @dataclass
-class DecodeSelection:
-    """A decode batch whose sparse policy chooses blocks per layer (see ``nanovllm.sparse``).
-
-    Attributes:
-        blocks: the choosing sequences' blocks (``nanovllm.sparse.DecodeBlocks``).
-        tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``.
-    """
-
-    blocks: object
-    tables: list[tuple[list[int], list[int], int]]
-
-
-@dataclass
 class Context:
     """Batch layout of one forward pass.
 
@@ -55,8 +46,10 @@ class Context:
             logical block (-1 where it is on the host); None when no sequence has a prefix.
             Decode: the GPU-resident blocks only, in order.
         prefix_gathers: prefill, by sequence index, the sequences whose prefix has host blocks.
-        host_loads: decode, ``(batch row, host block)`` that every layer reads from the host tier.
-        selection: decode, set when the sparse policy chooses blocks for some sequence.
+        host_loads: decode, ``(batch row, host block)`` of every host-tier block of the batch (all
+            read by every layer unless the policy chooses).
+        selection: decode, set when the sparse policy chooses blocks for some sequence
+            (``nanovllm.kvcache.selection.DecodeSelection``).
     """
 
     is_prefill: bool = False
@@ -67,7 +60,7 @@ class Context:
     block_tables: torch.Tensor | None = None
     prefix_gathers: dict[int, PrefixGather] = field(default_factory=dict)
     host_loads: list[tuple[int, int]] = field(default_factory=list)
-    selection: DecodeSelection | None = None
+    selection: "DecodeSelection | None" = None
 
     @property
     def paged_only(self) -> bool:
