@@ -43,7 +43,7 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
         ref = generate_with_logits(llm, prompts, 48)
     quest = dict(sparse_policy="QUEST", sparse_threshold_blocks=0)
     with monkeypatch.context() as patch:
-        patch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 2)
+        patch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 3)
         for reuse in (0, 2, 32):
             with build_llm(qwen3_dir, **opts, **quest, sparse_topk_blocks=16, num_reuse_cache_blocks=reuse) as llm:
                 tokens, logits = generate_with_logits(llm, prompts, 48)
