@@ -134,6 +134,19 @@ def test_llama3_rope_frequencies_match_transformers(llama3_dir):
     assert ((wavelen >= 1024 / 4) & (wavelen <= 1024)).any()
 
 
+def test_every_layer_shares_one_rope_table(qwen3_dir):
+    """One cos/sin table for the model, not one per layer (num_layers times the memory)."""
+    from transformers import AutoConfig
+
+    from nanovllm.models import get_model_class
+
+    cfg = AutoConfig.from_pretrained(qwen3_dir)
+    model = get_model_class(cfg)(cfg, 4096)
+    tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
+    assert cfg.num_hidden_layers > 1 and len(tables) == 1
+    assert [name for name, _ in model.named_buffers()] == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]
+
+
 def test_llama3_legacy_rope_scaling_config(llama3_dir, tmp_path):
     """A transformers-4 style config.json (rope_scaling + top-level rope_theta) loads the same."""
     for name in os.listdir(llama3_dir):

@@ -295,6 +295,69 @@ def test_store_kvcache_ref_writes_slots_and_skips_minus_one(slot_dtype):
     assert k_cache.count_nonzero() == 3 * 2 * 8
 
 
+@eager_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_rotary_cpu_equals_reference_bit_for_bit(dtype):
+    """The CPU path (x * [cos, cos] + [x2, x1] * [-sin, sin]) rounds like the reference."""
+    dim = 64
+    angles = torch.outer(torch.arange(300).float(), 1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)))
+    cache = torch.stack((angles.cos(), angles.sin()))
+    qkv = (torch.randn(9, 10 * dim) * 4).to(dtype)
+    q, k = qkv[:, :6 * dim].view(9, 6, dim), qkv[:, 6 * dim:8 * dim].view(9, 2, dim)
+    positions = torch.tensor([0, 1, 17, 299, 3, 3, 150, 64, 2])
+    for got, want in zip(apply_rotary(positions, q, k, cache), apply_rotary_ref(positions, q, k, cache)):
+        assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
+
+
+@eager_only
+def test_rms_norm_cpu_equals_reference_bit_for_bit():
+    """float32 goes through torch's F.rms_norm: equal to the reference (with the residual, per
+    head over a strided q view); bfloat16 keeps the reference's rounding steps."""
+    w = torch.randn(96)
+    for tokens in (1, 16, 300):
+        x, res = torch.randn(tokens, 96) * 3, torch.randn(tokens, 96)
+        out, new_res = rms_norm(x, w, 1e-5, res)
+        ref_out, ref_res = rms_norm_ref(x, w, 1e-5, res)
+        assert torch.equal(out, ref_out) and torch.equal(new_res, ref_res)
+        assert torch.equal(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+    q = torch.randn(5, 6 * 32)[:, :4 * 32].view(5, 4, 32)
+    out = rms_norm(q, w[:32], 1e-6)
+    assert out.is_contiguous() and torch.equal(out, rms_norm_ref(q, w[:32], 1e-6))
+    xb, wb = torch.randn(4, 96).bfloat16(), w.bfloat16()
+    assert torch.equal(rms_norm(xb, wb, 1e-6), rms_norm_ref(xb, wb, 1e-6))
+
+
+@eager_only
+@pytest.mark.parametrize("slots", [[9, 0, 19, 4], [9, -1, 0, 19]], ids=["no-padding", "padding"])
+@pytest.mark.parametrize("layout", ["engine", "strided-blocks"])
+def test_store_kvcache_cpu_equals_reference(slots, layout):
+    """The CPU path (index_copy_ into slot rows, used without -1 slots) writes what the reference
+    writes, in place, from strided qkv views, casting to the cache dtype; a cache whose blocks
+    are strided (the slot-row view does not exist) and padded slots take the reference."""
+    caches = torch.zeros(2, 3, 10 if layout == "strided-blocks" else 5, 4, 2, 8)
+    if layout == "strided-blocks":
+        k_cache, v_cache = caches[0, 1, ::2], caches[1, 1, ::2]
+    else:
+        k_cache, v_cache = caches[0, 1], caches[1, 1]
+    expected = caches.clone()
+    qkv = torch.randn(4, 6, 8, dtype=torch.float64)
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    for dtype in (torch.int32, torch.int64):
+        mapping = torch.tensor(slots, dtype=dtype)
+        store_kvcache(key, value, k_cache, v_cache, mapping)
+        exp_k, exp_v = (expected[0, 1, ::2], expected[1, 1, ::2]) if layout == "strided-blocks" else expected[:, 1]
+        store_kvcache_ref(key, value, exp_k, exp_v, mapping)
+        assert torch.equal(caches, expected) and caches.count_nonzero() > 0
+
+
+@eager_only
+def test_store_kvcache_cpu_rejects_a_slot_past_the_cache():
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(IndexError):
+        store_kvcache(torch.randn(2, 1, 8), torch.randn(2, 1, 8), cache, cache.clone(),
+                      torch.tensor([3, 8], dtype=torch.int64))
+
+
 def test_gather_kvcache_follows_block_table():
     cache = torch.arange(6 * 2 * 1 * 1, dtype=torch.float32).view(6, 2, 1, 1)
     rows = gather_kvcache(cache, torch.tensor([4, 1, -1], dtype=torch.int32), 3)

@@ -9,4 +9,4 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)

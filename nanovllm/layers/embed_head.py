@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.cpu_gemm import PackedWeight
 from nanovllm.layers.linear import linear_float32_out
 from nanovllm.utils.distributed import tp_rank, tp_size
 
@@ -25,7 +26,8 @@ class VocabParallelEmbedding(nn.Module):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expected [vocab_size, hidden_size] = {list(expected)}, got {list(loaded.shape)}")
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
-        param.data[:shard.size(0)].copy_(shard)
+        with torch.no_grad():  # a write the version counter sees: a packed LM head copy repacks
+            param[:shard.size(0)].copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -44,10 +46,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     Logits stay float32 even for a 16-bit model: rounding them to bfloat16 (8 mantissa bits,
     a step of 1/32 at logit 5) ties or swaps the top candidates of a large vocabulary often
     enough to change greedy tokens (about 6% of positions of a random-weight 128K-vocab model).
+    A float32 CPU head multiplies through a oneDNN-packed copy of its weight, kept beside the
+    plain one, which a tied embedding reads (:mod:`nanovllm.layers.cpu_gemm`).
     """
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.packed_weight = PackedWeight(release_source=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear_float32_out(x, self.weight)
+        if x.dtype == torch.float32:
+            logits = self.packed_weight.linear(x, self.weight)
+        else:
+            logits = linear_float32_out(x, self.weight)
         if self.tp_size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(shards, logits)

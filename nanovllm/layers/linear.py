@@ -1,13 +1,15 @@
 """Linear layers sharded for tensor parallelism (Megatron-LM column / row parallelism).
 
 Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
-rank's slice of a full checkpoint tensor into it; the loader calls it.
+rank's slice of a full checkpoint tensor into it; the loader calls it. float32 CPU layers run
+their GEMM through a oneDNN-packed copy of the weight (:mod:`nanovllm.layers.cpu_gemm`).
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.cpu_gemm import PackedWeight
 from nanovllm.utils.distributed import tp_rank, tp_size
 
 
@@ -42,12 +44,20 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self._load
+        self.packed_weight = PackedWeight(release_source=True)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self._load
         else:
             self.register_parameter("bias", None)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id):
+        self.packed_weight.unpack(self.weight)  # a released weight gets its values back first
+        self.weight_loader(param, loaded, *shard_id)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.packed_weight.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         if self.tp_dim is not None and self.tp_dim < loaded.dim():
@@ -62,7 +72,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._gemm(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -72,7 +82,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, _divide(output_size, tp_size()), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._gemm(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -130,8 +140,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = linear_float32_out(x, self.weight)
+            return self._gemm(x, self.bias)
+        y = self._gemm(x, None) if x.dtype == torch.float32 else linear_float32_out(x, self.weight)
         dist.all_reduce(y)
         if self.bias is not None:
             y += self.bias

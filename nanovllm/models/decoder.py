@@ -12,19 +12,25 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from nanovllm.models.registry import register_model
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    """Args: ``rotary_emb`` is the model's one RoPE table, shared by every layer."""
+
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = _head_dim(config)
         attention_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads,
                                           bias=qkv_bias or attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -60,9 +66,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, max_position)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, rotary_emb)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,10 +84,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm. One RoPE cos/sin table ``[2, max_position,
+    head_dim / 2]`` (float32) serves every layer: a table per layer took num_layers times the
+    memory (32 x 512 MiB for a 1M-token Llama-3-8B)."""
+
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, max_position)
+        rotary_emb = RotaryEmbedding(_head_dim(config), max_position, rope_parameters(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -89,12 +89,15 @@ def store_kvcache(
         ValueError: mismatched shapes, a non-contiguous cache head_dim, or head_dim outside 1..256.
 
     CUDA tensors use a Triton kernel (one program per token, no host sync, so it is CUDA-graph
-    capturable); other tensors use :func:`store_kvcache_ref`. Slots are not range-checked on
-    the fast path: a slot >= num_blocks * block_size is undefined behaviour.
+    capturable); slots are not range-checked there: a slot >= num_blocks * block_size is
+    undefined behaviour. CPU: two ``index_copy_`` into the caches viewed as slot rows when no
+    slot is -1 and the caches' block and offset dimensions merge into one (out-of-range slots
+    raise); otherwise, and on other devices, :func:`store_kvcache_ref`.
     """
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     if not use_triton(key):
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+        if not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping)):
+            store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -109,6 +112,26 @@ def store_kvcache(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1],
     )
+
+
+def _slot_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """``cache [num_blocks, block_size, H, D]`` viewed as slot rows ``[num_blocks * block_size,
+    H, D]`` (sharing its storage), or None when the block and offset strides do not merge."""
+    if cache.stride(0) != cache.shape[1] * cache.stride(1):
+        return None
+    return cache.view(-1, *cache.shape[2:])
+
+
+def _store_cpu(key, value, k_cache, v_cache, slot_mapping) -> bool:
+    """CPU :func:`store_kvcache` without padding: one ``index_copy_`` per cache (a few ops instead
+    of the reference's masked indexing). False, with nothing written, when it does not apply."""
+    rows = [_slot_rows(k_cache), _slot_rows(v_cache)]
+    if any(r is None for r in rows) or (slot_mapping.numel() and int(slot_mapping.min()) < 0):
+        return False
+    slots = slot_mapping.long()
+    for dst, src in zip(rows, (key, value)):
+        dst.index_copy_(0, slots, src.to(dst.dtype))
+    return True
 
 
 def gather_kvcache(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
