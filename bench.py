@@ -1,6 +1,14 @@
 """Throughput benchmark, nano-vLLM's workload: 256 sequences, input and output lengths uniform in
 [100, 1024], random token ids, ignore_eos, max_model_len 4096, one warm-up. Prints JSON.
 
+On CUDA it also prints the roofline of the workload: decode is memory-bound, so a decode step
+moves at least the weights and the KV of every running sequence through HBM. With all sequences
+decoding together from the start (the best schedule), step t reads the weights once and, for each
+sequence still generating, its ``prompt + t`` tokens of KV; the bytes of all steps over the
+measured HBM bandwidth (a device copy, read + write, per GPU, times the GPUs) bound the time, and
+``fraction_of_roofline`` is the measured tok/s over the tok/s that bound allows. Prefill and the
+KV writes are left out (a few percent here), so the bound is slightly optimistic.
+
     python bench.py                      # random-weight Qwen3-0.6B-shaped checkpoint (created once)
     python bench.py --model DIR --compare-hf
     python bench.py --tensor-parallel-size 2                           # spawns rank 1 itself
@@ -18,6 +26,7 @@ from random import randint, seed
 
 import torch
 
+from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.tp_worker import torchrun_rank
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
@@ -29,6 +38,41 @@ def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | Non
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output),
                              logprobs=logprobs) for _ in range(num_seqs)]
     return prompts, params
+
+
+def checkpoint_bytes(model: str) -> tuple[int, int]:
+    """``(weight bytes, KV bytes per token)`` of a HF checkpoint directory: the safetensors files'
+    sizes, and keys + values of every layer in the checkpoint's dtype."""
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    weights = sum(os.path.getsize(os.path.join(model, name)) for name in os.listdir(model)
+                  if name.endswith(".safetensors"))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    itemsize = torch.empty(0, dtype=getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")).element_size()
+    return weights, 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+
+
+def decode_bytes(prompts: list[list[int]], params: list[SamplingParams], weight_bytes: int,
+                 kv_bytes_per_token: int) -> int:
+    """Bytes the decode steps must read at least (module doc): ``max_tokens - 1`` steps per
+    sequence (its first token comes from prefill), step t reading ``len(prompt) + t`` tokens of
+    its KV, and the weights once per step."""
+    steps = max(p.max_tokens for p in params) - 1
+    kv_tokens = sum((p.max_tokens - 1) * len(prompt) + (p.max_tokens - 1) * p.max_tokens // 2
+                    for prompt, p in zip(prompts, params))
+    return steps * weight_bytes + kv_tokens * kv_bytes_per_token
+
+
+def roofline(args, prompts, params, result: dict) -> dict:
+    """The workload's decode roofline on this machine and the fraction of it reached (CUDA only)."""
+    hbm = bandwidths()["hbm_gb_per_s"]
+    if hbm != hbm:  # NaN: no CUDA
+        return {}
+    devices = args.tensor_parallel_size * args.data_parallel_size
+    seconds = decode_bytes(prompts, params, *checkpoint_bytes(args.model)) / (hbm * 1e9 * devices)
+    bound = result["output_tokens"] / seconds
+    return {"hbm_gb_per_s": hbm, "roofline_tok_per_s": round(bound, 1),
+            "fraction_of_roofline": round(result["tok_per_s"] / bound, 3)}
 
 
 def bench_nanovllm(args, prompts, params) -> dict:
@@ -105,6 +149,7 @@ def main():
         args.model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.logprobs)
     result = bench_nanovllm(args, prompts, params)
+    result.update(roofline(args, prompts, params, result))
     if args.compare_hf:
         result["hf"] = bench_hf(args, prompts, params)
         result["speedup_vs_hf"] = round(result["tok_per_s"] / result["hf"]["tok_per_s"], 2)
