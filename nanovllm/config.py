@@ -4,7 +4,7 @@ import math
 import os
 import warnings
 from numbers import Real
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -57,12 +57,43 @@ def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=T
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+_VLLM_HINTS = {
+    "swap_space": "the host tier of the KV cache is enable_cpu_offload=True with num_cpu_kvcache_blocks or "
+                  "cpu_memory_utilization",
+    "cpu_offload_gb": "weights stay on the GPU; the KV cache's host tier is enable_cpu_offload=True",
+    "quantization": "quantized weights are not supported",
+}
+
+
+def check_engine_args(kwargs: dict) -> None:
+    """ValueError naming every keyword of ``LLM(...)`` that is not a :class:`Config` field (with a
+    hint for vLLM arguments that have another form here), instead of a TypeError from deep inside."""
+    known = {f.name for f in fields(Config) if f.init and f.name != "model"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        hints = "".join(f"; {name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS)
+        raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}{hints} (nanovllm's arguments are the "
+                         f"fields of nanovllm.config.Config: {', '.join(sorted(known))})")
+
+
+def _check_bool(name: str, value):
+    """ValueError naming ``name`` and ``value`` unless it is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 @dataclass
 class Config:
     """Everything the engine needs to know, checked once.
 
     Attributes:
         model: HF model directory with ``config.json`` and safetensors weights.
+        tokenizer: directory (or Hub id, resolved as ``model`` is) of the tokenizer; None: ``model``
+            (vLLM's ``tokenizer``).
+        trust_remote_code: passed to transformers when loading the tokenizer (vLLM's name); the
+            model itself always runs nanovllm's own code (Llama, Qwen2, Qwen3).
+        enable_prefix_caching: vLLM's switch; prefix caching is part of nanovllm's KV cache and
+            always on, so only True (the default) is accepted.
         max_num_batched_tokens: token budget of one prefill step (>= 1); longer prompts are
             prefilled in chunks of at most this many tokens.
         max_num_seqs: most sequences in one step (>= 1); also the largest CUDA-graph batch.
@@ -118,6 +149,9 @@ class Config:
     """
 
     model: str
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int = 4096
@@ -152,6 +186,11 @@ class Config:
             raise ValueError(f"model directory {self.model!r} does not exist")
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {self.model!r} has no config.json")
+        for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "enable_cpu_offload"):
+            _check_bool(name, getattr(self, name))
+        if not self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=False is not supported: prefix caching is part of nanovllm's "
+                             "KV cache (a block is reused only when its tokens and all before them match)")
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_range("max_num_seqs", self.max_num_seqs, 1)
         _check_range("max_model_len", self.max_model_len, 1)
@@ -188,6 +227,9 @@ class Config:
         _check_range("num_ring_slots", self.num_ring_slots, 2)
         if self.num_cpu_kvcache_blocks != -1:
             _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
+            if not self.enable_cpu_offload:
+                raise ValueError(f"num_cpu_kvcache_blocks={self.num_cpu_kvcache_blocks} sizes the host tier, which "
+                                 "needs enable_cpu_offload=True")
         _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
         self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)

@@ -155,6 +155,39 @@ def test_engine_option_bad_type(qwen3_dir, field, value):
         build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
 
 
+@pytest.mark.parametrize("field", ["enforce_eager", "enable_cpu_offload", "trust_remote_code", "enable_prefix_caching"])
+@pytest.mark.parametrize("value", ["no", 2, None])
+def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
+    """enable_cpu_offload="no" turned the host tier on; enforce_eager="no" was taken as True."""
+    with pytest.raises(ValueError, match=rf"{field} must be True or False, got {value!r}"):
+        build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
+
+
+@pytest.mark.parametrize("kwargs,shown", [
+    (dict(swap_space=4), r"unknown engine argument\(s\) swap_space; swap_space: the host tier .*enable_cpu_offload"),
+    (dict(max_seq_len=9, block_size=16), r"unknown engine argument\(s\) block_size, max_seq_len \(nanovllm's"),
+    (dict(enable_prefix_caching=False), r"enable_prefix_caching=False is not supported"),
+    (dict(num_cpu_kvcache_blocks=8), r"num_cpu_kvcache_blocks=8 sizes the host tier, which needs enable_cpu_offload"),
+])
+def test_engine_arguments_nanovllm_does_not_take(qwen3_dir, kwargs, shown):
+    """vLLM arguments raised a bare TypeError from Config; a host-tier size without the tier was ignored."""
+    with pytest.raises(ValueError, match=shown):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, **kwargs)
+
+
+def test_vllm_tokenizer_arguments(qwen3_dir, tmp_path):
+    """tokenizer= loads the tokenizer from another directory; trust_remote_code and
+    enable_prefix_caching=True are accepted as in vLLM."""
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(qwen3_dir, tok_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, tokenizer=str(tok_dir), trust_remote_code=True,
+                   enable_prefix_caching=True) as llm:
+        assert llm.get_tokenizer().name_or_path == str(tok_dir)
+        assert llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    with pytest.raises(ValueError, match=r"cannot load a tokenizer from "):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, tokenizer=str(tmp_path))
+
+
 def test_offload_num_ring_slots_not_integer(qwen3_dir):
     """TypeError from torch.Size in the host tier."""
     with pytest.raises(ValueError, match=r"num_ring_slots.*2\.5"):

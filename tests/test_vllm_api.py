@@ -562,6 +562,17 @@ def test_chat_bad_messages(llm, messages):
         llm.chat(messages, greedy(2), chat_template=TEMPLATE, use_tqdm=False)
 
 
+@pytest.mark.parametrize("messages,shown", [
+    ([{"role": "user"}], r"conversation 0, message 0 needs a string 'content'"),   # jinja2 UndefinedError
+    ([{"role": "user", "content": 5}], r"conversation 0, message 0 needs a string 'content'"),  # TypeError
+    ([[{"role": "user", "content": "a"}], [{"content": "b"}]], r"conversation 1, message 0 needs a string 'role'"),
+])
+def test_chat_message_without_role_or_content(llm, messages, shown):
+    with pytest.raises(ValueError, match=shown):
+        llm.chat(messages, greedy(2), chat_template=TEMPLATE, use_tqdm=False)
+    assert llm.chat([{"role": "user", "content": "a"}], greedy(2), chat_template=TEMPLATE, use_tqdm=False)[0].finished
+
+
 def test_chat_without_a_template(llm):
     with pytest.raises(ValueError, match=r"chat_template"):
         llm.chat([{"role": "user", "content": "a"}], greedy(2), use_tqdm=False)

@@ -69,7 +69,8 @@ def parse_conversations(messages) -> list[list[dict]]:
     ``{"role": "user", "content": "Hi"}``) or a list of conversations.
 
     Raises:
-        ValueError: ``messages`` is neither, naming the argument.
+        ValueError: ``messages`` is neither, naming the argument; a message lacks a string
+            ``role`` or ``content``, naming the conversation and message index.
     """
     conversations = messages if isinstance(messages, (list, tuple)) and messages and all(
         isinstance(c, (list, tuple)) for c in messages) else [messages]
@@ -79,4 +80,10 @@ def parse_conversations(messages) -> list[list[dict]]:
             raise ValueError("messages must be a conversation (a non-empty list of message dicts such as "
                              "{'role': 'user', 'content': 'Hi'}) or a list of conversations, "
                              f"got {messages!r:.80}")
+    for c, conversation in enumerate(conversations):
+        for m, message in enumerate(conversation):
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    raise ValueError(f"messages: conversation {c}, message {m} needs a string {key!r}, "
+                                     f"got {message!r:.80}")
     return [list(c) for c in conversations]

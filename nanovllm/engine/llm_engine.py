@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanovllm.config import Config
+from nanovllm.config import Config, check_engine_args
 from nanovllm.engine import data_parallel
 from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
 from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
@@ -41,6 +41,19 @@ def eos_token_ids(model: str, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def load_tokenizer(config: Config):
+    """The tokenizer of ``config.tokenizer`` (default: the model directory).
+
+    Raises:
+        ValueError: the directory has no tokenizer transformers can load, naming it.
+    """
+    path = config.tokenizer or config.model
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {err}") from err
+
+
 class LLMEngine:
     """Offline inference engine (see :class:`nanovllm.LLM` for the arguments).
 
@@ -56,9 +69,12 @@ class LLMEngine:
     """
 
     def __init__(self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs):
+        check_engine_args(kwargs)
         model = resolve_model(model, revision, download_dir)
+        if kwargs.get("tokenizer") is not None:
+            kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"], revision, download_dir)
         config = Config(model, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(config)
         config.eos_token_ids = eos_token_ids(model, tokenizer)
         self._start(config, tokenizer, spawned_replica=None)
 
@@ -66,7 +82,7 @@ class LLMEngine:
     def _spawned_replica(cls, config: Config, replica: int) -> "LLMEngine":
         """Replica ``replica`` >= 1 of a spawned data-parallel engine (in its own process)."""
         engine = cls.__new__(cls)
-        engine._start(config, AutoTokenizer.from_pretrained(config.model), replica)
+        engine._start(config, load_tokenizer(config), replica)
         return engine
 
     def _start(self, config: Config, tokenizer, spawned_replica: int | None):
