@@ -111,19 +111,20 @@ class Scheduler:
         device, scheduled as the synchronous loop would after :meth:`postprocess`; or None when
         that cannot be done without those tokens.
 
-        Possible only when nothing waits (so ``running`` is the unfinished ``seqs``: no admission is due) and the
-        step's blocks can be placed without a preemption or a dropped cached prefix while the
-        sequences that finish in ``seqs`` still hold theirs. Then the tokens of ``seqs`` get
-        placeholders (:meth:`_advance`) and the next step is every sequence of ``seqs`` that does
-        not reach its length limit with them; one that stops on its token (eos, stop id, stop
-        string) is computed once more, and that step's result for it is dropped.
+        Possible only when nothing waits (so ``running`` is the unfinished ``seqs`` and no
+        admission is due) and the step's new blocks can be placed without a preemption or a
+        dropped cached prefix while the sequences stopping in ``seqs`` still hold theirs. Then the
+        tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every unfinished
+        sequence of ``seqs`` that does not reach its length limit with them; one that stops on its
+        token (eos, stop id, stop string) is computed once more, and that result is dropped.
         """
         if self.waiting:
             return None
         live = [seq for seq in seqs if not seq.is_finished]  # those that stopped in the step before are done
-        block_size = self.block_manager.block_size
         batch = [seq for seq in live if not reaches_length_limit(seq, self.max_model_len, 1)]
-        new_blocks = sum(len(seq.block_table) * block_size < seq.num_computed_tokens + 2 for seq in batch)
+        # the step writes position num_computed_tokens + 1: a new block when no block holds it yet
+        block_size = self.block_manager.block_size
+        new_blocks = sum(len(seq.block_table) * block_size <= seq.num_computed_tokens + 1 for seq in batch)
         if not batch or not self.block_manager.can_place_blank(new_blocks):
             return None
         for seq in live:
