@@ -10,6 +10,8 @@ step's padded shapes (here: CPU decode attention pads to the longest context), s
 may differ by float32 summation order (within ``LOGPROB_TOL``); everything else is equal.
 """
 import dataclasses
+import gc
+import weakref
 
 import pytest
 
@@ -92,6 +94,12 @@ def test_default_is_off_on_cpu_and_true_is_checked(qwen3_dir):
     llm = build_llm(qwen3_dir)
     assert llm.config.async_scheduling is False
     llm.shutdown()
+    llm = build_llm(qwen3_dir, async_scheduling=True)
+    llm.generate([random_prompt(20, seed=1)], SamplingParams(max_tokens=3), use_tqdm=False)
+    runner = weakref.ref(llm.model_runner)
+    llm.shutdown()  # frees the model: nothing (the step loop) keeps the runner alive
+    gc.collect()
+    assert runner() is None
     with pytest.raises(ValueError, match="async_scheduling=True does not support tensor_parallel_size=2"):
         build_llm(qwen3_dir, async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="enable_cpu_offload=True"):

@@ -432,7 +432,8 @@ class LLMEngine:
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
         collected and at interpreter exit); the engine cannot be used after."""
         self._finalizer()
-        self.__dict__.pop("model_runner", None)
+        for name in ("_steps", "model_runner"):  # the step loop holds the runner (and a step in flight)
+            self.__dict__.pop(name, None)
 
 
 def _as_lists(prompts):
