@@ -196,6 +196,7 @@ class SampledStep:
                            self.sampled, self.wants_logprobs, self.spans)
 
     def output(self) -> StepOutput:
+        """The results per sequence as Python values (waits for the device unless on the host)."""
         tokens = iter(self.tokens.tolist())
         result = StepOutput([next(tokens) if s else None for s in self.sampled])
         if self.logprobs is not None:
