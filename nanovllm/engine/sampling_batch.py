@@ -187,7 +187,9 @@ class SampledStep:
         """A copy on the host, started without waiting (CUDA: into pinned memory; read it after
         the copies are done, e.g. after an event recorded behind them)."""
         def host(t: torch.Tensor) -> torch.Tensor:
-            return t.to("cpu", non_blocking=True)
+            if t.device.type == "cpu":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
         def host_logprobs(lp: LogprobsTensors | None) -> LogprobsTensors | None:
             return None if lp is None else LogprobsTensors(*map(host, lp.tensors()))
