@@ -16,7 +16,10 @@ step, a waiting request, a preemption, a full cache) the in-flight step is read 
 one scheduled as in the synchronous loop. Either way the steps are the synchronous loop's, except
 that a sequence stopping on a sampled token (eos, stop token id, stop string) is computed in one
 more step, whose token, logprobs and KV are dropped (its blocks are freed when its stop is read).
-Greedy and seeded outputs are the synchronous loop's.
+Block counts and the prefix cache end as in the synchronous loop. Outputs (greedy, seeded) are
+the synchronous loop's, to the bit where no sequence stops on a sampled token; where one does, its
+extra row can change the padded shapes of that one step for the others (CUDA-graph batch size,
+the CPU decode attention's longest context), so their logprobs may differ in float rounding.
 """
 import torch
 
