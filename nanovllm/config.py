@@ -106,6 +106,12 @@ class Config:
             host (CUDA: needs ``data_parallel_size * tensor_parallel_size`` GPUs), or under
             torchrun, where WORLD_SIZE must equal ``data_parallel_size * tensor_parallel_size``.
         enforce_eager: disable CUDA graphs for decode.
+        async_scheduling: overlap the host's scheduling and input preparation of a decode step
+            with the device's previous step (vLLM's name; ``nanovllm.engine.async_step`` says
+            when it overlaps). None (default): on for CUDA with ``tensor_parallel_size`` 1, no
+            ``enable_cpu_offload`` and a sparse policy other than QUEST; off on CPU, where ops
+            are synchronous and nothing overlaps (True runs the same code path there). False:
+            the synchronous loop, for debugging. True with an unsupported configuration raises.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
             ``nanovllm.engine.memory``).
@@ -159,6 +165,7 @@ class Config:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     dtype: object = None
@@ -215,6 +222,22 @@ class Config:
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
         self._check_parallel()
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self):
+        from nanovllm.sparse import SparsePolicyType
+
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
+        unsupported = [name for name, on in (
+            (f"tensor_parallel_size={self.tensor_parallel_size}", self.tensor_parallel_size > 1),
+            ("enable_cpu_offload=True", self.enable_cpu_offload),
+            ("sparse_policy='QUEST'", self.sparse_policy is SparsePolicyType.QUEST)) if on]
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda" and not unsupported
+        elif self.async_scheduling and unsupported:
+            raise ValueError(f"async_scheduling=True does not support {', '.join(unsupported)}; "
+                             f"use async_scheduling=False or None")
 
     def _check_offload(self):
         from nanovllm.sparse import SparsePolicyType

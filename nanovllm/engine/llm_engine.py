@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config, check_engine_args
 from nanovllm.engine import data_parallel
+from nanovllm.engine.async_step import StepLoop
 from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
 from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
 from nanovllm.engine.model_runner import ModelRunner
@@ -110,6 +111,7 @@ class LLMEngine:
                     self._replicas.close()
                 raise
         self.scheduler = self._make_scheduler()
+        self._steps = StepLoop(self.scheduler, self.model_runner, self._generators, config.async_scheduling)
         self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers, self._replicas)
         capacity = sum(self.model_runner.tier_sizes) * config.kvcache_block_size
         try:
@@ -262,6 +264,9 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled step. Returns the sequences finished in it and the number of
         tokens processed (positive for a prefill step, negative for decode, as nano-vLLM).
+        With ``async_scheduling`` a decode step is launched and its sequences are returned by the
+        next call, when they are found finished (``nanovllm.engine.async_step``); call
+        :meth:`step` until :meth:`is_finished`.
 
         Raises:
             RuntimeError: a tensor-parallel rank died; ``data_parallel_size > 1``.
@@ -272,18 +277,7 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[Sequence], int]:
         self._check_workers()
-        if self.scheduler.is_finished():
-            return [], 0
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        out = self.model_runner.run(seqs, is_prefill, self._generators, self.scheduler.take_spills())
-        out.record(seqs)
-        finished = self.scheduler.postprocess(seqs, out.token_ids)
-        for seq in finished:
-            self._generators.pop(seq.seq_id, None)
-        return finished, num_tokens
+        return self._steps.step()
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -367,6 +361,7 @@ class LLMEngine:
             for seq_id in seq_ids:
                 self._generators.pop(seq_id, None)
             self.scheduler.abort(set(seq_ids))
+            self._steps.drop_in_flight()
             raise
         return [self._outputs.request(str(group[0]), prompt.text, [finished[i] for i in group])
                 for prompt, group in zip(prompts, groups)]
@@ -453,7 +448,8 @@ class LLMEngine:
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
         collected and at interpreter exit); the engine cannot be used after."""
         self._finalizer()
-        self.__dict__.pop("model_runner", None)
+        for name in ("_steps", "model_runner"):  # the step loop holds the runner (and a step in flight)
+            self.__dict__.pop(name, None)
 
 
 def _as_lists(prompts):

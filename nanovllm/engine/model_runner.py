@@ -6,7 +6,8 @@ drives the others through a :class:`RankChannel`; under torchrun each rank's eng
 same calls itself and rank 0's sampled tokens are broadcast (``tp_worker``).
 
 A step: ``cache.begin_step(spills)`` -> ``cache.prepare`` -> model -> ``cache.finish_step`` ->
-sample (rank 0).
+sample (rank 0). A step returns its results on the device (:class:`SampledStep`); the engine
+reads them at once or, with async scheduling, one step later (``async_step``).
 """
 import logging
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine import memory
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
-from nanovllm.engine.sampling_batch import LogitRows, StepOutput, StepSampler
+from nanovllm.engine.sampling_batch import LogitRows, SampledStep, StepSampler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_worker import (RankChannel, destroy_process_group, init_process_group, join,
                                        torchrun_rank)
@@ -178,25 +179,30 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, generators: dict[int, torch.Generator] | None = None,
-            spills: list[tuple[int, int]] = ()) -> StepOutput | list:
+            spills: list[tuple[int, int]] = (), input_ids: torch.Tensor | None = None) -> SampledStep | None:
         """One step for ``seqs``, after copying the scheduler's ``spills`` (``(GPU block, host
-        block)``) to the host tier: a sampled token per sequence (None for an unfinished prefill
-        chunk) and the logprobs asked for. Rank 0 samples; spawned workers return an empty list."""
+        block)``) to the host tier: a sampled token per sequence (none for an unfinished prefill
+        chunk) and the logprobs asked for, on the device, not waited for. ``input_ids``: int64
+        ``[len(seqs)]`` on the device, a decode step's inputs instead of the sequences' last
+        tokens (async scheduling: the tokens the previous step sampled). Rank 0 samples; spawned
+        workers return None."""
         if self.channel is not None and self.rank == 0:
             self.channel.send("run", seqs, is_prefill, None, spills)
         self.cache.begin_step(spills)
-        input_ids, positions, sample_idx = self.cache.prepare(seqs, is_prefill)
+        step_ids, positions, sample_idx = self.cache.prepare(seqs, is_prefill)
+        if input_ids is not None:
+            step_ids[:len(seqs)] = input_ids
         rows = LogitRows(seqs, sample_idx, is_prefill)
         try:
-            logits = self.run_model(input_ids, positions, is_prefill, rows.indices)
+            logits = self.run_model(step_ids, positions, is_prefill, rows.indices)
         finally:
             self.cache.finish_step()
-        if not rows.indices:
-            return StepOutput([None] * len(seqs))
         if self.channel is not None and self.rank > 0:
-            return []  # a spawned worker: rank 0 samples
+            return None  # a spawned worker: rank 0 samples
+        if not rows.indices:
+            return SampledStep.unsampled(len(seqs))
         sampled = [not is_prefill or self._finishes_prefill(seq) for seq in seqs]
-        return self.step_sampler(logits, rows, seqs, sampled, generators)
+        return self.step_sampler(logits, rows, seqs, sampled, generators, None if is_prefill else step_ids)
 
     @staticmethod
     def _finishes_prefill(seq: Sequence) -> bool:

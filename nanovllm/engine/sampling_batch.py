@@ -1,6 +1,6 @@
 """One step's sampling, engine side: which hidden rows need logits (:class:`LogitRows`), the
-batch's SamplingParams as device tensors (:func:`sampling_tensors`), and the step's results per
-sequence (:class:`StepSampler` -> :class:`StepOutput`).
+batch's SamplingParams as device tensors (:func:`sampling_tensors`), and the step's results
+(:class:`StepSampler` -> :class:`SampledStep` on the device -> :class:`StepOutput` per sequence).
 
 Rank 0 samples. Under torchrun the other ranks take rank 0's tokens and logprobs by broadcast
 (every rank's scheduler must see the same tokens); their shapes follow from the sequences' params,
@@ -12,7 +12,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.sequence import LogprobEntry, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, LogprobEntry, Sequence
 from nanovllm.layers.sampler import (FLOAT32_MAX, LogprobsTensors, Penalties, Sampler, SamplerOutput,
                                      SamplingTensors, compute_logprobs)
 from nanovllm.sampling_params import SamplingParams
@@ -64,9 +64,11 @@ class LogitRows:
                 logits[_to_device(self._prompt_pos, torch.int64, logits.device)])
 
 
-def _penalties(seqs: list[Sequence], rows: list[int], device) -> Penalties:
+def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.Tensor | None) -> Penalties:
+    """The penalised ``rows``' tokens; a generated token still on the device (a placeholder,
+    async scheduling) is the decode step's input id of its row, read from ``input_ids``."""
     params = [seq.sampling_params for seq in seqs]
-    prompt_rows, prompt_tokens, output_rows, output_tokens = [], [], [], []
+    prompt_rows, prompt_tokens, output_rows, output_tokens, pending_rows = [], [], [], [], []
     for i in rows:
         seq = seqs[i]
         if params[i].repetition_penalty != 1.0:
@@ -74,13 +76,20 @@ def _penalties(seqs: list[Sequence], rows: list[int], device) -> Penalties:
             prompt_rows += [i] * len(prompt)
             prompt_tokens += prompt
         output = seq.completion_token_ids
+        if output and output[-1] == PLACEHOLDER_TOKEN:
+            output = output[:-1]
+            pending_rows.append(i)
         output_rows += [i] * len(output)
         output_tokens += output
     floats = [[min(p.repetition_penalty, FLOAT32_MAX), p.presence_penalty, p.frequency_penalty] for p in params]
     repetition, presence, frequency = _to_device(floats, torch.float32, device).unbind(1)
     ints = partial(_to_device, dtype=torch.int64, device=device)
+    output_rows, output_tokens = ints(output_rows), ints(output_tokens)
+    if pending_rows:
+        pending = ints(pending_rows)
+        output_rows, output_tokens = torch.cat([output_rows, pending]), torch.cat([output_tokens, input_ids[pending]])
     return Penalties(repetition, presence, frequency, (ints(prompt_rows), ints(prompt_tokens)),
-                     (ints(output_rows), ints(output_tokens)))
+                     (output_rows, output_tokens))
 
 
 def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device):
@@ -104,10 +113,13 @@ def _logprob_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[i
 
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: list[int],
-                     generators: dict[int, torch.Generator] | None, vocab_size: int) -> SamplingTensors:
+                     generators: dict[int, torch.Generator] | None, vocab_size: int,
+                     input_ids: torch.Tensor | None = None) -> SamplingTensors:
     """The sampled sequences' params as :class:`SamplingTensors`: the host flags are computed once
     per batch from the params (no device sync), and a tensor is built only for a stage some row
-    uses, so a batch with default params pays for nothing it does not use."""
+    uses, so a batch with default params pays for nothing it does not use. ``input_ids``: a
+    decode step's input ids on the device, row i sequence i's (the penalties read the tokens
+    that are placeholders on the host there)."""
     params = [seq.sampling_params for seq in seqs]
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     temperatures = top_k = top_p = min_p = None
@@ -125,7 +137,7 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: 
         temperatures, top_k, top_p, min_p, sampled_rows,
         generators={row: generators[seq.seq_id] for row, seq in enumerate(seqs)
                     if generators and seq.seq_id in generators},
-        penalties=_penalties(seqs, penalised, device) if penalised else None,
+        penalties=_penalties(seqs, penalised, device, input_ids) if penalised else None,
         banned=_banned(seqs, eos_token_ids, vocab_size, device) if any(p.min_tokens for p in params) else None,
         logprob_rows=logprob_rows, num_logprobs=num_logprobs)
 
@@ -141,17 +153,69 @@ class StepOutput:
     prompt_logprobs: list[list[LogprobEntry] | None] | None = None
 
     def record(self, seqs: list[Sequence]) -> None:
-        """Append the logprob entries to their sequences."""
+        """Append the logprob entries to their sequences (not to a finished one: an overlapped
+        step computed it once more after it stopped)."""
         for seq, entry in zip(seqs, self.logprobs or ()):
-            if entry is not None:
+            if entry is not None and not seq.is_finished:
                 seq.add_logprobs(entry)
         for seq, entries in zip(seqs, self.prompt_logprobs or ()):
             if entries is not None:
                 seq.prompt_logprobs += entries
 
 
+@dataclass
+class SampledStep:
+    """One step's sampler results, still where they were computed, and what is needed to hand
+    them out per sequence: ``tokens`` int64 ``[number of sampled sequences]`` (the sequences
+    with ``sampled[i]``, in batch order); ``logprobs`` of the sampled sequences that asked for
+    them (``wants_logprobs[i]``), in order; ``prompt_logprobs``: the rows of ``spans`` (see
+    :class:`LogitRows`). :meth:`output` reads them on the host (one device sync)."""
+
+    tokens: torch.Tensor
+    logprobs: LogprobsTensors | None
+    prompt_logprobs: LogprobsTensors | None
+    sampled: list[bool]
+    wants_logprobs: list[bool]
+    spans: list[tuple[int, int, int]]
+
+    @staticmethod
+    def unsampled(num_seqs: int) -> "SampledStep":
+        """A step of prefill chunks that sample nothing."""
+        return SampledStep(torch.empty(0, dtype=torch.int64), None, None, [False] * num_seqs, [False] * num_seqs, [])
+
+    def to_host(self) -> "SampledStep":
+        """A copy on the host, started without waiting (CUDA: into pinned memory; read it after
+        the copies are done, e.g. after an event recorded behind them)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        def host_logprobs(lp: LogprobsTensors | None) -> LogprobsTensors | None:
+            return None if lp is None else LogprobsTensors(*map(host, lp.tensors()))
+
+        return SampledStep(host(self.tokens), host_logprobs(self.logprobs), host_logprobs(self.prompt_logprobs),
+                           self.sampled, self.wants_logprobs, self.spans)
+
+    def output(self) -> StepOutput:
+        """The results per sequence as Python values (waits for the device unless on the host)."""
+        tokens = iter(self.tokens.tolist())
+        result = StepOutput([next(tokens) if s else None for s in self.sampled])
+        if self.logprobs is not None:
+            entries = iter(self.logprobs.tolist())
+            result.logprobs = [next(entries) if s and w else None for s, w in zip(self.sampled, self.wants_logprobs)]
+        if self.prompt_logprobs is not None:
+            entries = self.prompt_logprobs.tolist()
+            result.prompt_logprobs = [None] * len(self.sampled)
+            offset = 0
+            for i, _, n in self.spans:
+                result.prompt_logprobs[i] = entries[offset:offset + n]
+                offset += n
+        return result
+
+
 class StepSampler:
-    """Turns one step's logits into a :class:`StepOutput` (see the module docstring).
+    """Turns one step's logits into a :class:`SampledStep` (see the module docstring).
 
     Args: the :class:`Sampler`; the engine's ``generator`` (rows without a seed); the model's eos
     ids (masked below ``min_tokens``); this process's ``rank``; ``broadcast``: torchrun
@@ -164,26 +228,28 @@ class StepSampler:
         self.rank, self.broadcast = rank, broadcast
 
     def __call__(self, logits: torch.Tensor, rows: LogitRows, seqs: list[Sequence], sampled: list[bool],
-                 generators: dict[int, torch.Generator] | None) -> StepOutput:
-        """``logits`` ``[len(rows.indices), vocab]``; ``sampled[i]``: sequence i gets a token."""
+                 generators: dict[int, torch.Generator] | None, input_ids: torch.Tensor | None = None) -> SampledStep:
+        """``logits`` ``[len(rows.indices), vocab]``; ``sampled[i]``: sequence i gets a token;
+        ``input_ids``: the step's input ids on the device (see :func:`sampling_tensors`)."""
         sampled_seqs = [seq for seq, s in zip(seqs, sampled) if s]
         sample_logits, prompt_logits = rows.split(logits)
         vocab = logits.size(-1)
-        out = self._sample(sample_logits, sampled_seqs, generators, vocab)
+        out = self._sample(sample_logits, sampled_seqs, generators, vocab, input_ids)
         prompt = self._prompt_logprobs(prompt_logits, rows, seqs, vocab)
         if self.broadcast:  # every rank knows the shapes, so all skip the same empty tensors
             for t in (out.tokens, *(out.logprobs.tensors() if out.logprobs else ()),
                       *(prompt.tensors() if prompt else ())):
                 if t.numel():
                     dist.broadcast(t, src=0)
-        return self._per_sequence(out, prompt, rows, seqs, sampled, vocab)
+        return SampledStep(out.tokens, out.logprobs, prompt, sampled,
+                           [seq.sampling_params.logprobs is not None for seq in seqs], rows.spans)
 
-    def _sample(self, logits, seqs: list[Sequence], generators, vocab: int) -> SamplerOutput:
+    def _sample(self, logits, seqs: list[Sequence], generators, vocab: int, input_ids) -> SamplerOutput:
         device = logits.device
         if not seqs:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=device), None)
         if self.rank == 0:
-            params = sampling_tensors(seqs, device, self.eos_token_ids, generators, vocab)
+            params = sampling_tensors(seqs, device, self.eos_token_ids, generators, vocab, input_ids)
             return self.sampler(logits, params, self.generator)
         rows, k = _logprob_rows([seq.sampling_params for seq in seqs], vocab)
         return SamplerOutput(torch.empty(len(seqs), dtype=torch.int64, device=device),
@@ -197,21 +263,3 @@ class StepSampler:
             return LogprobsTensors.empty(logits.size(0), k, logits.device)
         targets = [t for i, start, n in rows.spans for t in seqs[i].token_ids[start + 1:start + 1 + n]]
         return compute_logprobs(logits, _to_device(targets, torch.int64, logits.device), k)
-
-    @staticmethod
-    def _per_sequence(out: SamplerOutput, prompt: LogprobsTensors | None, rows: LogitRows,
-                      seqs: list[Sequence], sampled: list[bool], vocab: int) -> StepOutput:
-        tokens = iter(out.tokens.tolist())
-        result = StepOutput([next(tokens) if s else None for s in sampled])
-        if out.logprobs is not None:
-            entries = iter(out.logprobs.tolist())
-            result.logprobs = [next(entries) if s and seq.sampling_params.logprobs is not None else None
-                               for seq, s in zip(seqs, sampled)]
-        if prompt is not None:
-            entries = prompt.tolist()
-            result.prompt_logprobs = [None] * len(seqs)
-            offset = 0
-            for i, _, n in rows.spans:
-                result.prompt_logprobs[i] = entries[offset:offset + n]
-                offset += n
-        return result

@@ -3,8 +3,8 @@ import logging
 from collections import deque
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stopping import check_stop
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.stopping import check_stop, reaches_length_limit
 from nanovllm.kvcache.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,9 @@ class Scheduler:
     decode one token. The block manager spills cold blocks to the host tier to make GPU room; when
     both tiers are full, the most recently admitted running sequence is preempted and later
     recomputed. The spills decided for a step go to the model runner with it (:meth:`take_spills`).
+
+    With async scheduling, :meth:`schedule_decode_ahead` schedules the decode step after one still
+    running on the device, before its tokens are known (``nanovllm.engine.async_step``).
     """
 
     def __init__(self, config: Config, block_manager: BlockManager):
@@ -103,19 +106,61 @@ class Scheduler:
         part_way = self.waiting and self.block_manager.is_live(self.waiting[0])
         self.waiting.insert(1 if part_way else 0, seq)  # behind a part-way prefill, which must finish first
 
+    def schedule_decode_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The decode step after ``seqs``, a decode step whose sampled tokens are still on the
+        device, scheduled as the synchronous loop would after :meth:`postprocess`; or None when
+        that cannot be done without those tokens.
+
+        Possible only when nothing waits (so ``running`` is the unfinished ``seqs`` and no
+        admission is due) and the step's new blocks can be placed without a preemption or a
+        dropped cached prefix while the sequences stopping in ``seqs`` still hold theirs. Then the
+        tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every unfinished
+        sequence of ``seqs`` that does not reach its length limit with them; one that stops on its
+        token (eos, stop id, stop string) is computed once more, and that result is dropped.
+        """
+        if self.waiting:
+            return None
+        live = [seq for seq in seqs if not seq.is_finished]  # those that stopped in the step before are done
+        batch = [seq for seq in live if not reaches_length_limit(seq, self.max_model_len, 1)]
+        # the step writes position num_computed_tokens + 1: a new block when no block holds it yet
+        block_size = self.block_manager.block_size
+        new_blocks = sum(len(seq.block_table) * block_size <= seq.num_computed_tokens + 1 for seq in batch)
+        if not batch or not self.block_manager.can_place_blank(new_blocks):
+            return None
+        for seq in live:
+            self._advance(seq, sampled=True)
+        for seq in batch:
+            self.block_manager.ensure_writable(seq, 1)
+            seq.num_scheduled_tokens = 1
+        return batch
+
+    @staticmethod
+    def _advance(seq: Sequence, sampled: bool):
+        """The step's KV is computed; its sampled token (if any) is a placeholder until known."""
+        seq.num_computed_tokens += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        if sampled:
+            seq.append_token(PLACEHOLDER_TOKEN)
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Advance KV progress, append sampled tokens, finish sequences; return the finished ones.
 
         ``token_ids[i]`` is None for a prefill chunk that did not reach the end of its sequence.
+        A sequence advanced already (its token a placeholder: the next step was scheduled ahead)
+        gets its token filled in; one finished already (computed once more by an overlapped step
+        after it stopped) is left as it is.
         """
         finished = []
         for seq, token_id in zip(seqs, token_ids):
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
+            if seq.is_finished:
+                continue
+            if not seq.awaits_token:
+                self._advance(seq, sampled=token_id is not None)
+            if token_id is not None:
+                seq.fill_token(token_id)
             self.block_manager.commit(seq)
             if token_id is None:
                 continue
-            seq.append_token(token_id)
             reason = self._finish_reason(seq, token_id)
             if reason:
                 seq.finish_reason = reason

@@ -9,6 +9,11 @@ from nanovllm.sampling_params import SamplingParams
 # their log-probabilities, the token's rank); turned into vLLM's Logprob dicts for the output.
 LogprobEntry = tuple[list[int], list[float], int]
 
+# Holds the place of a token sampled by a step still running on the device (async scheduling,
+# ``nanovllm.engine.async_step``): the next step reads the token on the device; the host fills it in
+# one step later. Never a vocabulary id, so a step that read it from the host would fail loudly.
+PLACEHOLDER_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -136,6 +141,15 @@ class Sequence:
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
+
+    @property
+    def awaits_token(self) -> bool:
+        """The last token is :data:`PLACEHOLDER_TOKEN` (sampled on the device, not yet read)."""
+        return self.token_ids[-1] == PLACEHOLDER_TOKEN
+
+    def fill_token(self, token_id: int):
+        """Replace the trailing placeholder with the sampled ``token_id``."""
+        self.token_ids[-1] = token_id
 
     def reset_for_recompute(self):
         """Forget all KV progress (preemption by recomputation)."""

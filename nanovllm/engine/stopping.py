@@ -57,6 +57,14 @@ class IncrementalDetokenizer:
         return None
 
 
+def reaches_length_limit(seq: Sequence, max_model_len: int, num_new_tokens: int = 0) -> bool:
+    """Whether ``seq`` is at ``max_model_len`` or its ``max_tokens`` once ``num_new_tokens`` more
+    tokens are appended (the one stop rule known before the tokens are)."""
+    max_tokens = seq.sampling_params.max_tokens
+    return (len(seq) + num_new_tokens >= max_model_len
+            or (max_tokens is not None and seq.num_completion_tokens + num_new_tokens >= max_tokens))
+
+
 def check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int],
                max_model_len: int) -> tuple[str | None, int | str | None]:
     """``(finish_reason, stop_reason)`` after ``token_id`` was appended to ``seq``:
@@ -64,10 +72,9 @@ def check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int],
     ("stop", string) for a stop string, or (None, None) to go on."""
     params = seq.sampling_params
     reason, stop_reason = None, None
-    num_tokens = seq.num_completion_tokens
-    if len(seq) >= max_model_len or (params.max_tokens is not None and num_tokens >= params.max_tokens):
+    if reaches_length_limit(seq, max_model_len):
         reason = "length"
-    elif num_tokens >= params.min_tokens:
+    elif seq.num_completion_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in eos_token_ids:
             reason = "stop"
         elif token_id in params.stop_token_ids:

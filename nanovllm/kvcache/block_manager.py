@@ -86,6 +86,12 @@ class BlockPool:
         block.ref_count = 1
         return block
 
+    def takes_are_blank(self, num_blocks: int) -> bool:
+        """Whether the next ``num_blocks`` :meth:`take` calls find free blocks holding no
+        registered content (so they drop no cached prefix)."""
+        return num_blocks <= self.num_free and all(
+            self.blocks[i].hash == -1 for i in itertools.islice(self.free, num_blocks))
+
     def forget(self, block: Block):
         if block.hash != -1 and self.index.get(block.hash) is block:
             del self.index[block.hash]
@@ -235,6 +241,12 @@ class BlockManager:
         self._spills.append((gpu_id, dst.block_id))
         self.num_spilled_blocks += 1
         return True
+
+    def can_place_blank(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` new blocks can be placed now with no spill, no preemption and
+        no cached prefix dropped (async scheduling places the next step's blocks before it knows
+        which sequences finished, and then must change nothing the synchronous loop would not)."""
+        return num_blocks <= self.num_free_blocks and self.gpu.takes_are_blank(num_blocks)
 
     def take_spills(self) -> list[tuple[int, int]]:
         """The ``(gpu block, host block)`` moves decided since the last call, in order; the

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.utils.tensors import to_device
+
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -155,7 +157,7 @@ class Sampler(nn.Module):
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
         if params.banned is not None:
-            logits = logits.index_put(params.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(params.banned, logits.new_full((), float("-inf")))
         tokens = logits.argmax(-1)
         if params.sampled_rows:
             tokens = self._sample(logits, tokens, params, generator)
@@ -164,7 +166,7 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample(logits, greedy_tokens, params: SamplingTensors, generator) -> torch.Tensor:
         rows = params.sampled_rows
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, torch.int64, logits.device)
         scaled = logits[index] / params.temperatures[index].unsqueeze(1)
         if params.min_p is not None:
             scaled = apply_min_p(scaled, params.min_p[index])
@@ -186,6 +188,6 @@ class Sampler(nn.Module):
         if not rows:
             return None
         if len(rows) < raw.size(0):
-            index = torch.tensor(rows, device=raw.device)
+            index = to_device(rows, torch.int64, raw.device)
             raw, tokens = raw[index], tokens[index]
         return compute_logprobs(raw, tokens, params.num_logprobs)

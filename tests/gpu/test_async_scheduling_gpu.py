@@ -1,0 +1,126 @@
+"""Async scheduling on CUDA with CUDA graphs (run on the H200: ``python -m pytest
+tests/gpu/test_async_scheduling_gpu.py -m gpu``): the same batches with ``async_scheduling`` on
+(the CUDA default) and off give the same RequestOutputs and the same KV block counts.
+
+Where every request ends on its length (nothing stops on a sampled token) the steps have the same
+shapes and the outputs must be equal to the bit (bf16). Where requests stop on sampled tokens,
+the stopping sequence is computed in one more step, which can change that step's CUDA-graph batch
+size; there (float32) tokens, text and finish reasons must be equal and logprobs within
+``FLOAT32_TOL``. Each run's wall time goes to ``$OUT/async_scheduling_gpu.json`` when $OUT is set.
+"""
+import dataclasses
+import gc
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+FLOAT32_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_checkpoint("qwen3-0.6b", str(tmp_path_factory.mktemp("gpu") / "qwen3-4l"), num_hidden_layers=4)
+
+
+def _workload(num: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 30000) for _ in range(rng.randint(50, 700))] for _ in range(num)]
+    kinds = [
+        lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
+        lambda m: SamplingParams(temperature=0.6, seed=rng.randrange(1000), max_tokens=m, ignore_eos=True, logprobs=5),
+        lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, presence_penalty=0.5,
+                                 frequency_penalty=0.2, repetition_penalty=1.1, logprobs=1),
+        lambda m: SamplingParams(temperature=0.8, seed=rng.randrange(1000), n=2, top_p=0.9, top_k=40,
+                                 max_tokens=m, ignore_eos=True, min_tokens=m // 2),
+    ]
+    return prompts, [kinds[i % len(kinds)](rng.randint(20, 200)) for i in range(num)]
+
+
+def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
+    with LLM(model_dir, dtype=dtype, device="cuda", max_model_len=2048, max_num_seqs=64,
+             gpu_memory_utilization=0.5, async_scheduling=async_scheduling) as llm:
+        assert llm.config.async_scheduling is async_scheduling and llm.model_runner.graphs is not None
+        ahead, run = [0], llm.model_runner.run
+
+        def counting_run(seqs, is_prefill, generators=None, spills=(), input_ids=None):
+            ahead[0] += input_ids is not None
+            return run(seqs, is_prefill, generators, spills, input_ids)
+
+        llm.model_runner.run = counting_run
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        stats = llm.get_kv_cache_stats()
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.gpu.num_blocks
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [{k: v for k, v in dataclasses.asdict(o).items() if k != "request_id"} for o in outputs], \
+        stats, ahead[0], seconds
+
+
+def _report(name: str, **values):
+    print(json.dumps({"test": name, **values}))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "async_scheduling_gpu.json"), "a") as f:
+            f.write(json.dumps({"test": name, **values}) + "\n")
+
+
+def _assert_same(actual, expected, tol: float, where: str = "outputs"):
+    if isinstance(expected, float):
+        assert abs(actual - expected) <= tol, (where, actual, expected)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            _assert_same(actual[key], expected[key], tol, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_same(a, e, tol, f"{where}[{i}]")
+    else:
+        assert actual == expected, (where, actual, expected)
+
+
+def test_length_stops_are_bit_identical(model_dir):
+    prompts, params = _workload(96, seed=0)
+    on, on_stats, ahead, on_s = _run(model_dir, prompts, params, "bfloat16", True)
+    off, off_stats, none_ahead, off_s = _run(model_dir, prompts, params, "bfloat16", False)
+    _report("length_stops", seconds_async=round(on_s, 3), seconds_sync=round(off_s, 3), steps_ahead=ahead)
+    assert ahead > 0 and none_ahead == 0
+    assert on == off
+    assert on_stats == off_stats
+
+
+def test_token_stops_match(model_dir):
+    """Stop token ids, stop strings and eos taken from a first run, so requests stop mid-way."""
+    prompts, params = _workload(64, seed=1)
+    free, _, _, _ = _run(model_dir, prompts, params, "float32", False)
+    stopping = []
+    for i, (sp, out) in enumerate(zip(params, free)):
+        tokens, text = out["outputs"][0]["token_ids"], out["outputs"][0]["text"]
+        change = {"ignore_eos": False}
+        if i % 3 == 0:
+            change["stop_token_ids"] = [tokens[len(tokens) // 3]]
+        elif i % 3 == 1 and len(text) > 8:
+            change["stop"] = [text[len(text) // 2:len(text) // 2 + 4]]
+        stopping.append(dataclasses.replace(sp, **change))
+    on, on_stats, ahead, on_s = _run(model_dir, prompts, stopping, "float32", True)
+    off, off_stats, _, off_s = _run(model_dir, prompts, stopping, "float32", False)
+    reasons = [c["finish_reason"] for o in off for c in o["outputs"]]
+    _report("token_stops", seconds_async=round(on_s, 3), seconds_sync=round(off_s, 3), steps_ahead=ahead,
+            stopped=reasons.count("stop"), requests=len(reasons))
+    assert ahead > 0 and reasons.count("stop") > len(reasons) // 4
+    _assert_same(on, off, FLOAT32_TOL)
+    assert on_stats == off_stats

@@ -1,0 +1,267 @@
+"""Async scheduling (``nanovllm.engine.async_step``) gives the synchronous loop's outputs.
+
+Two engines on the same checkpoint, ``async_scheduling`` forced on and off (on CPU the overlap
+changes no timing but runs the same code path), get the same batches; their RequestOutputs
+(except request ids) and KV block counts must be equal, and the async engine must have launched
+decode steps ahead (a step whose input ids came from the device). Where no sequence stops on a
+sampled token the steps have the same shapes and the outputs are equal to the bit. Where one
+does, it is computed once more by the step after (its row is dropped), which can change that
+step's padded shapes (here: CPU decode attention pads to the longest context), so logprob values
+may differ by float32 summation order (within ``LOGPROB_TOL``); everything else is equal.
+"""
+import dataclasses
+import gc
+import weakref
+
+import pytest
+
+from nanovllm import SamplingParams
+
+from _util import LOGPROB_TOL, build_llm, random_prompt, run_requests
+
+ENGINE = dict(max_model_len=1024, num_kvcache_blocks=16, max_num_seqs=16)
+
+
+class AheadCounter:
+    """Counts the decode steps launched with device input ids (scheduled ahead)."""
+
+    def __init__(self, llm):
+        self.ahead, run = 0, llm.model_runner.run
+
+        def counting_run(seqs, is_prefill, generators=None, spills=(), input_ids=None):
+            self.ahead += input_ids is not None
+            return run(seqs, is_prefill, generators, spills, input_ids)
+
+        llm.model_runner.run = counting_run
+
+
+@pytest.fixture(scope="module")
+def engines(qwen3_dir):
+    on, off = (build_llm(qwen3_dir, async_scheduling=flag, **ENGINE) for flag in (True, False))
+    counter = AheadCounter(on)
+    yield on, off, counter
+    on.shutdown()
+    off.shutdown()
+
+
+def comparable(outputs) -> list[dict]:
+    return [{k: v for k, v in dataclasses.asdict(o).items() if k != "request_id"} for o in outputs]
+
+
+def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
+    """Equal structures; floats within ``float_tol``, everything else exactly."""
+    if isinstance(expected, float):
+        assert abs(actual - expected) <= float_tol, (where, actual, expected)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            assert_same(actual[key], expected[key], float_tol, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, float_tol, f"{where}[{i}]")
+    else:
+        assert actual == expected, (where, actual, expected)
+
+
+def assert_same_generate(engines, prompts, params, stops_on_tokens: bool = False) -> list:
+    on, off, counter = engines
+    before = counter.ahead
+    ref = off.generate(prompts, params, use_tqdm=False)
+    out = on.generate(prompts, params, use_tqdm=False)
+    if stops_on_tokens:
+        assert_same(comparable(out), comparable(ref), LOGPROB_TOL)
+    else:
+        assert comparable(out) == comparable(ref)
+    assert counter.ahead > before, "no decode step was scheduled ahead"
+    assert_no_blocks_held(on, off)
+    return ref
+
+
+def assert_no_blocks_held(on, off):
+    for llm in (on, off):
+        bm = llm.scheduler.block_manager
+        assert llm.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks
+    assert on.get_kv_cache_stats() == off.get_kv_cache_stats()
+
+
+def stops_from(ref_tokens: list[int], text: str):
+    """A stop token id and a stop string that occur mid-way in a reference completion."""
+    return ref_tokens[len(ref_tokens) // 2], text[len(text) // 2:len(text) // 2 + 3]
+
+
+def test_default_is_off_on_cpu_and_true_is_checked(qwen3_dir):
+    llm = build_llm(qwen3_dir)
+    assert llm.config.async_scheduling is False
+    llm.shutdown()
+    llm = build_llm(qwen3_dir, async_scheduling=True)
+    llm.generate([random_prompt(20, seed=1)], SamplingParams(max_tokens=3), use_tqdm=False)
+    runner = weakref.ref(llm.model_runner)
+    llm.shutdown()  # frees the model: nothing (the step loop) keeps the runner alive
+    gc.collect()
+    assert runner() is None
+    with pytest.raises(ValueError, match="async_scheduling=True does not support tensor_parallel_size=2"):
+        build_llm(qwen3_dir, async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_cpu_offload=True"):
+        build_llm(qwen3_dir, async_scheduling=True, enable_cpu_offload=True)
+    with pytest.raises(ValueError, match="async_scheduling must be None, True or False"):
+        build_llm(qwen3_dir, async_scheduling="yes")
+
+
+def test_greedy_lengths_cross_blocks(engines):
+    """Different max_tokens (length stops are known ahead), decode crossing a block boundary."""
+    prompts = [random_prompt(n, seed=900 + n) for n in (250, 254, 255, 40, 511)]
+    assert_same_generate(engines, prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                            for m in (3, 9, 20, 1, 14)])
+
+
+def test_every_sampling_feature(engines):
+    """Stop strings, stop token ids, min_tokens, max_tokens, n, logprobs, prompt_logprobs,
+    penalties and seeds in one batch; the stops are taken from the reference outputs, so they fire
+    mid-way (a sequence stopping on its token is computed once more by the overlapped step)."""
+    on, off, _ = engines
+    prompts = [random_prompt(n, seed=910 + n) for n in (30, 60, 90, 120, 150, 180, 210, 240)]
+    free = off.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stop_id, stop_str = stops_from(free[0]["token_ids"], free[1]["text"])
+    min_stop_id, _ = stops_from(free[2]["token_ids"], free[2]["text"])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_str], include_stop_str_in_output=True, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[min_stop_id], min_tokens=13),
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=18, repetition_penalty=1.4, presence_penalty=0.5,
+                       frequency_penalty=0.3, logprobs=2),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=22, n=3, top_k=50, top_p=0.9, logprobs=1),
+        SamplingParams(temperature=1.2, seed=11, max_tokens=16, min_p=0.05, presence_penalty=1.0,
+                       stop=[stop_str]),
+        SamplingParams(temperature=0.0, max_tokens=20),
+    ]
+    ref = assert_same_generate(engines, prompts, params, stops_on_tokens=True)
+    reasons = [c.finish_reason for r in ref for c in r.outputs]
+    assert ref[0].outputs[0].stop_reason == stop_id and ref[1].outputs[0].stop_reason == stop_str
+    assert reasons.count("length") < len(reasons)
+
+
+def test_preemption(qwen3_dir):
+    """A KV cache too small for the batch: sequences are preempted and recomputed (the steps
+    that would preempt are not scheduled ahead)."""
+    kwargs = dict(ENGINE, num_kvcache_blocks=3, max_model_len=768)
+    engines = (*(build_llm(qwen3_dir, async_scheduling=f, **kwargs) for f in (True, False)),)
+    counter = AheadCounter(engines[0])
+    try:
+        prompts = [random_prompt(n, seed=920 + n) for n in (250, 240, 230)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 30, 40)]
+        assert_same_generate((*engines, counter), prompts, params)
+        assert engines[1].get_kv_cache_stats()["preemptions"] > 0
+    finally:
+        for llm in engines:
+            llm.shutdown()
+
+
+def test_prefix_cache_hits(engines):
+    on, off, _ = engines
+    shared = random_prompt(256, seed=930)
+    prompts = [shared + random_prompt(n, seed=931 + n) for n in (5, 40, 100)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert_same_generate(engines, prompts[:1], params)
+    hits = off.get_kv_cache_stats()["prefix_cache_hit_tokens"]
+    assert_same_generate(engines, prompts, params)
+    assert off.get_kv_cache_stats()["prefix_cache_hit_tokens"] >= hits + 3 * 256
+
+
+def test_add_request_and_step_polling(engines):
+    """Requests added while others decode (the step after an addition is not scheduled ahead)."""
+    on, off, counter = engines
+    first = [random_prompt(n, seed=940 + n) for n in (20, 70)]
+    later = [random_prompt(n, seed=950 + n) for n in (33, 260)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (15, 9)]
+    results = []
+    for llm in (on, off):
+        ids = [llm.add_request(p, sp) for p, sp in zip(first, params)]
+        done = {}
+        for _ in range(4):
+            done.update({s.seq_id: s for s in llm.step()[0]})
+        ids += [llm.add_request(p, sp) for p, sp in zip(later, params)]
+        while not llm.is_finished():
+            done.update({s.seq_id: s for s in llm.step()[0]})
+        results.append([(done[i].completion_token_ids, done[i].finish_reason) for i in ids])
+    assert results[0] == results[1]
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=10, stop_token_ids=[results[0][0][0][5]])
+    assert (list(run_requests(on, first, seeded).values())[0]["token_ids"]
+            == list(run_requests(off, first, seeded).values())[0]["token_ids"])
+    assert_no_blocks_held(on, off)
+
+
+def test_stop_token_on_a_block_boundary(engines):
+    """The stopping token is the first of a new block, so the step computing it once more places
+    a block for it (freed when the stop is read): block counts stay the synchronous loop's."""
+    on, off, _ = engines
+    prompts = [random_prompt(240, seed=960), random_prompt(100, seed=961)]
+    ref = off.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0]["token_ids"]
+    assert ref[16] not in ref[:16]  # so the request stops on token 240 + 16 = 256
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref[16]], logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    out = assert_same_generate(engines, prompts, params, stops_on_tokens=True)
+    assert out[0]["token_ids"] == ref[:17] and out[0]["finish_reason"] == "stop"
+
+
+def test_penalties_read_a_placeholder_token_on_the_device():
+    """A generated token still on the device (a placeholder on the host) is penalised like the
+    same token known on the host."""
+    import torch
+
+    from nanovllm.engine.sampling_batch import sampling_tensors
+    from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+
+    params = SamplingParams(temperature=0.0, presence_penalty=1.0, repetition_penalty=1.2)
+
+    def output_pairs(last: int, input_ids=None) -> list:
+        seqs = [Sequence([5, 6, 7], params, 256), Sequence([8, 9], params, 256)]
+        for seq in seqs:
+            seq.append_token(11)
+        seqs[1].append_token(last)
+        penalties = sampling_tensors(seqs, torch.device("cpu"), [2], None, 64, input_ids).penalties
+        return sorted(zip(*(t.tolist() for t in penalties.output)))
+
+    known = output_pairs(42)
+    assert (1, 42) in known
+    assert output_pairs(PLACEHOLDER_TOKEN, torch.tensor([13, 42])) == known
+
+
+def test_blocks_placed_ahead_drop_no_cached_prefix():
+    """``can_place_blank``: only free blocks without a registered prefix may be placed ahead."""
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.kvcache.block_manager import BlockManager
+
+    manager = BlockManager(num_gpu_blocks=3, block_size=256)
+    seq = Sequence(random_prompt(300, seed=970), SamplingParams(), 256)
+    manager.allocate(seq)
+    manager.ensure_writable(seq, 300)
+    seq.num_computed_tokens = 300
+    manager.commit(seq)  # block 0 is full: registered
+    manager.deallocate(seq)  # free: one registered block, two blank ones
+    assert manager.can_place_blank(2) and not manager.can_place_blank(3)
+
+
+def test_a_failed_step_ahead_releases_its_requests(engines, monkeypatch):
+    """An exception while launching a step ahead (placeholders taken, blocks placed) aborts the
+    generate() cleanly: no request or block is left, and the next generate() is right."""
+    on, off, counter = engines
+    prompts = [random_prompt(n, seed=980 + n) for n in (30, 250)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    run = on.model_runner.run
+
+    def failing_run(seqs, is_prefill, generators=None, spills=(), input_ids=None):
+        if input_ids is not None and counter.ahead > ahead_before + 2:
+            raise RuntimeError("injected failure")
+        return run(seqs, is_prefill, generators, spills, input_ids)
+
+    ahead_before = counter.ahead
+    monkeypatch.setattr(on.model_runner, "run", failing_run)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        on.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    bm = on.scheduler.block_manager
+    assert on.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks
+    assert_same_generate(engines, prompts, params)
