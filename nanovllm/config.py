@@ -227,7 +227,7 @@ class Config:
     def _check_async_scheduling(self):
         from nanovllm.sparse import SparsePolicyType
 
-        if self.async_scheduling not in (None, True, False):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         unsupported = [name for name, on in (
             (f"tensor_parallel_size={self.tensor_parallel_size}", self.tensor_parallel_size > 1),

@@ -104,8 +104,9 @@ def test_default_is_off_on_cpu_and_true_is_checked(qwen3_dir):
         build_llm(qwen3_dir, async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="enable_cpu_offload=True"):
         build_llm(qwen3_dir, async_scheduling=True, enable_cpu_offload=True)
-    with pytest.raises(ValueError, match="async_scheduling must be None, True or False"):
-        build_llm(qwen3_dir, async_scheduling="yes")
+    for bad in ("yes", 1):
+        with pytest.raises(ValueError, match="async_scheduling must be None, True or False"):
+            build_llm(qwen3_dir, async_scheduling=bad)
 
 
 def test_greedy_lengths_cross_blocks(engines):
