@@ -108,10 +108,11 @@ class Config:
         enforce_eager: disable CUDA graphs for decode.
         async_scheduling: overlap the host's scheduling and input preparation of a decode step
             with the device's previous step (vLLM's name; ``nanovllm.engine.async_step`` says
-            when it overlaps). None (default): on for CUDA with ``tensor_parallel_size`` 1, no
-            ``enable_cpu_offload`` and a sparse policy other than QUEST; off on CPU, where ops
-            are synchronous and nothing overlaps (True runs the same code path there). False:
-            the synchronous loop, for debugging. True with an unsupported configuration raises.
+            when it overlaps). Opt-in, as in vLLM: False (default) is the synchronous loop; True
+            needs ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other
+            than QUEST (else ValueError). On CPU ops are synchronous and nothing overlaps, but
+            True runs the same code path (its tests run there). It has not yet been run on CUDA
+            (``tests/gpu/test_async_scheduling_gpu.py``), hence not the default there.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
             ``nanovllm.engine.memory``).
@@ -165,7 +166,7 @@ class Config:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enforce_eager: bool = False
-    async_scheduling: bool | None = None
+    async_scheduling: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     dtype: object = None
@@ -227,17 +228,14 @@ class Config:
     def _check_async_scheduling(self):
         from nanovllm.sparse import SparsePolicyType
 
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
+        _check_bool("async_scheduling", self.async_scheduling)
         unsupported = [name for name, on in (
             (f"tensor_parallel_size={self.tensor_parallel_size}", self.tensor_parallel_size > 1),
             ("enable_cpu_offload=True", self.enable_cpu_offload),
             ("sparse_policy='QUEST'", self.sparse_policy is SparsePolicyType.QUEST)) if on]
-        if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda" and not unsupported
-        elif self.async_scheduling and unsupported:
+        if self.async_scheduling and unsupported:
             raise ValueError(f"async_scheduling=True does not support {', '.join(unsupported)}; "
-                             f"use async_scheduling=False or None")
+                             f"use async_scheduling=False")
 
     def _check_offload(self):
         from nanovllm.sparse import SparsePolicyType
