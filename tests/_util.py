@@ -180,3 +180,20 @@ def check_logprobs(entry: dict, token: int, ref: torch.Tensor, k: int, tokenizer
     assert lowest <= entry[token].rank <= highest
     for t, lp in list(entry.items())[1:]:
         assert 1 <= lp.rank <= k and abs(float(ref[t]) - float(ordered[lp.rank - 1])) <= LOGPROB_TOL
+
+
+def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
+    """Equal nested structures (dicts in the same key order, lists, tuples): floats within
+    ``float_tol``, everything else exactly; the failure names the path to the first difference."""
+    if isinstance(expected, float):
+        assert abs(actual - expected) <= float_tol, (where, actual, expected)
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            assert_same(actual[key], expected[key], float_tol, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, float_tol, f"{where}[{i}]")
+    else:
+        assert actual == expected, (where, actual, expected)

@@ -17,7 +17,7 @@ import pytest
 
 from nanovllm import SamplingParams
 
-from _util import LOGPROB_TOL, build_llm, random_prompt, run_requests
+from _util import LOGPROB_TOL, assert_same, build_llm, random_prompt, run_requests
 
 ENGINE = dict(max_model_len=1024, num_kvcache_blocks=16, max_num_seqs=16)
 
@@ -46,22 +46,6 @@ def engines(qwen3_dir):
 
 def comparable(outputs) -> list[dict]:
     return [{k: v for k, v in dataclasses.asdict(o).items() if k != "request_id"} for o in outputs]
-
-
-def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
-    """Equal structures; floats within ``float_tol``, everything else exactly."""
-    if isinstance(expected, float):
-        assert abs(actual - expected) <= float_tol, (where, actual, expected)
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], float_tol, f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, float_tol, f"{where}[{i}]")
-    else:
-        assert actual == expected, (where, actual, expected)
 
 
 def assert_same_generate(engines, prompts, params, stops_on_tokens: bool = False) -> list:

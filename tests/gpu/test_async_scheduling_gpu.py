@@ -21,6 +21,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
+from _util import assert_same
+
 pytestmark = pytest.mark.gpu
 
 FLOAT32_TOL = 1e-3
@@ -78,21 +80,6 @@ def _report(name: str, **values):
             f.write(json.dumps({"test": name, **values}) + "\n")
 
 
-def _assert_same(actual, expected, tol: float, where: str = "outputs"):
-    if isinstance(expected, float):
-        assert abs(actual - expected) <= tol, (where, actual, expected)
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            _assert_same(actual[key], expected[key], tol, f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _assert_same(a, e, tol, f"{where}[{i}]")
-    else:
-        assert actual == expected, (where, actual, expected)
-
-
 def test_length_stops_are_bit_identical(model_dir):
     prompts, params = _workload(96, seed=0)
     on, on_stats, ahead, on_s = _run(model_dir, prompts, params, "bfloat16", True)
@@ -122,5 +109,5 @@ def test_token_stops_match(model_dir):
     _report("token_stops", seconds_async=round(on_s, 3), seconds_sync=round(off_s, 3), steps_ahead=ahead,
             stopped=reasons.count("stop"), requests=len(reasons))
     assert ahead > 0 and reasons.count("stop") > len(reasons) // 4
-    _assert_same(on, off, FLOAT32_TOL)
+    assert_same(on, off, FLOAT32_TOL)
     assert on_stats == off_stats
