@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.sampling_params import SEED_MAX, SEED_MIN, is_integer
+from nanovllm.sampling_params import SEED_MAX, SEED_MIN, check_bool, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,6 @@ def check_engine_args(kwargs: dict) -> None:
         hints = "".join(f"; {name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS)
         raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}{hints} (nanovllm's arguments are the "
                          f"fields of nanovllm.config.Config: {', '.join(sorted(known))})")
-
-
-def _check_bool(name: str, value):
-    """ValueError naming ``name`` and ``value`` unless it is True or False."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass
@@ -195,7 +189,7 @@ class Config:
         if not os.path.isfile(config_path):
             raise ValueError(f"model directory {self.model!r} has no config.json")
         for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "enable_cpu_offload"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if not self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=False is not supported: prefix caching is part of nanovllm's "
                              "KV cache (a block is reused only when its tokens and all before them match)")
@@ -228,7 +222,7 @@ class Config:
     def _check_async_scheduling(self):
         from nanovllm.sparse import SparsePolicyType
 
-        _check_bool("async_scheduling", self.async_scheduling)
+        check_bool("async_scheduling", self.async_scheduling)
         unsupported = [name for name, on in (
             (f"tensor_parallel_size={self.tensor_parallel_size}", self.tensor_parallel_size > 1),
             ("enable_cpu_offload=True", self.enable_cpu_offload),

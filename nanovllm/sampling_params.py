@@ -22,9 +22,10 @@ def _check_number(name: str, value, limit: str):
         raise ValueError(f"{name} must be a finite number {limit}, got {value!r}")
 
 
-def _check_bool(name: str, value):
+def check_bool(name: str, value):
+    """ValueError naming ``name`` and ``value`` unless it is True or False (not 0, 1 or "no")."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_logprobs(name: str, value):
@@ -150,12 +151,12 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        _check_bool("ignore_eos", self.ignore_eos)
+        check_bool("ignore_eos", self.ignore_eos)
         self.stop_token_ids = _checked_list("stop_token_ids", self.stop_token_ids,
                                        lambda t: is_integer(t) and t >= 0, "integer token ids >= 0")
         self.stop = _checked_list("stop", self.stop, lambda s: isinstance(s, str) and s != "",
                              "non-empty strings")
-        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
     def _check_penalties(self):
         for name in ("presence_penalty", "frequency_penalty"):
@@ -170,7 +171,7 @@ class SamplingParams:
     def _check_outputs(self):
         _check_logprobs("logprobs", self.logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
 
     def clone(self) -> "SamplingParams":
         """A validated copy made from the current field values (the engine queues this copy, so

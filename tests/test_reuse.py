@@ -127,14 +127,16 @@ def test_decode_reads_picks_through_reuse_cache_and_ring_with_hand_counted_reuse
 
 
 def test_reuse_cache_option_is_checked(qwen3_dir):
+    from _util import build_llm
     from nanovllm.config import Config
     from nanovllm.kvcache.reuse import reuse_cache_rows
 
     quest = dict(enable_cpu_offload=True, sparse_policy="QUEST", sparse_topk_blocks=3)
-    assert reuse_cache_rows(Config(qwen3_dir, **quest), True) == 3, "default: one step's picks"
-    assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=5), True) == 5
-    assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=0), True) == 0
-    assert reuse_cache_rows(Config(qwen3_dir, sparse_policy="QUEST"), True) == 0, "no host tier"
+    assert reuse_cache_rows(Config(qwen3_dir, **quest)) == 3, "default: one step's picks"
+    assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=5)) == 5
+    assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=0)) == 0
+    with build_llm(qwen3_dir, sparse_policy="QUEST") as llm:
+        assert llm.model_runner.cache.reuse_rows == 0, "no host tier"
     for bad, match in ((-2, "num_reuse_cache_blocks must be >= 0"), (1.5, "must be an integer")):
         with pytest.raises(ValueError, match=match):
             Config(qwen3_dir, **quest, num_reuse_cache_blocks=bad)

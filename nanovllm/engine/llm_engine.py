@@ -3,56 +3,29 @@ import logging
 import time
 import weakref
 from dataclasses import replace
-from multiprocessing import get_context
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config, check_engine_args
-from nanovllm.engine import data_parallel
+from nanovllm.engine import data_parallel, ranks
 from nanovllm.engine.async_step import StepLoop
 from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
 from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
+from nanovllm.engine.request_checks import RequestChecker
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stopping import IncrementalDetokenizer
-from nanovllm.engine.tp_worker import (check_same_calls, new_shm_name, rendezvous_store, torchrun_rank,
-                                       wait_for_workers)
+from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from nanovllm.engine.tp_worker import check_same_calls, torchrun_rank
 from nanovllm.hub import resolve_model
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams, is_integer
+from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def eos_token_ids(model: str, tokenizer) -> list[int]:
-    """End-of-sequence ids from ``generation_config.json`` (int or list) and the tokenizer."""
-    ids = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
-def load_tokenizer(config: Config):
-    """The tokenizer of ``config.tokenizer`` (default: the model directory).
-
-    Raises:
-        ValueError: the directory has no tokenizer transformers can load, naming it.
-    """
-    path = config.tokenizer or config.model
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {err}") from err
 
 
 class LLMEngine:
@@ -91,7 +64,6 @@ class LLMEngine:
         as replica 0 of a spawned data-parallel engine, also start the other replicas."""
         self.config, self.tokenizer = config, tokenizer
         self._outputs = OutputBuilder(tokenizer)
-        self.vocab_size = config.hf_config.vocab_size
         self._workers, self._generators, self._replicas = [], {}, None
         launch = torchrun_rank()
         if launch is not None:
@@ -104,52 +76,22 @@ class LLMEngine:
             if spawned_replica is None and config.data_parallel_size > 1:
                 self._replicas = ReplicaPool(config, _replica_main)
             try:
-                self.model_runner = self._spawn_ranks(replica_config(config, replica),
-                                                      first_device=replica * config.tensor_parallel_size)
+                self.model_runner = ranks.spawn_ranks(replica_config(config, replica),
+                                                      replica * config.tensor_parallel_size, self._workers)
             except BaseException:
                 if self._replicas is not None:
                     self._replicas.close()
                 raise
         self.scheduler = self._make_scheduler()
         self._steps = StepLoop(self.scheduler, self.model_runner, self._generators, config.async_scheduling)
-        self._finalizer = weakref.finalize(self, _shutdown, self.model_runner, self._workers, self._replicas)
+        self._finalizer = weakref.finalize(self, ranks.shutdown, self.model_runner, self._workers, self._replicas)
         capacity = sum(self.model_runner.tier_sizes) * config.kvcache_block_size
         try:
             self._kv_capacity = capacity if self._replicas is None else min(self._replicas.join(capacity))
         except BaseException:
             self._finalizer()
             raise
-
-    def _spawn_ranks(self, config: Config, first_device: int) -> ModelRunner:
-        """Start ranks 1..N-1 as processes on this host; return rank 0's runner. Rank k uses
-        CUDA device ``first_device + k``."""
-        channel, events, store = None, [], None
-        if config.tensor_parallel_size > 1:
-            channel, store = new_shm_name(), rendezvous_store(config.tensor_parallel_size)
-            ctx = get_context("spawn")
-            for rank in range(1, config.tensor_parallel_size):
-                event = ctx.Event()
-                proc = ctx.Process(target=ModelRunner,
-                                   args=(config, rank, channel, event, store.port, first_device + rank))
-                proc.start()
-                self._workers.append(proc)
-                events.append(event)
-        try:
-            if store is not None:
-                wait_for_workers(store, self._workers)
-            return ModelRunner(config, 0, channel, events, local_rank=first_device, store=store)
-        except BaseException:
-            for proc in self._workers:
-                proc.terminate()
-                proc.join()
-            raise
-
-    def _check_workers(self):
-        """A spawned rank that died would leave the others waiting in a collective forever."""
-        for rank, proc in enumerate(self._workers, 1):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                                   f"{proc.exitcode}; shut this engine down and create a new LLM")
+        self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity)
 
     def _make_scheduler(self) -> Scheduler:
         sizes = self.model_runner.tier_sizes
@@ -159,45 +101,6 @@ class LLMEngine:
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
-
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt.text) if prompt.token_ids is None else prompt.token_ids
-        self._validate(ids)
-        return ids
-
-    def _validate(self, ids: list[int]):
-        cfg = self.config
-        if not ids:
-            raise ValueError("prompt is empty (0 tokens); at least 1 token is required")
-        if len(ids) > cfg.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={cfg.max_model_len}")
-        not_int = [t for t in ids if not is_integer(t)]
-        if not_int:
-            raise ValueError(f"token id {not_int[0]!r} is not an integer")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self._kv_capacity:
-            raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {self._kv_capacity}")
-
-    def _queue_params(self, params, name: str) -> SamplingParams:
-        """A validated copy of ``params`` to queue (every field checked again, so an edit made
-        after construction is caught), with the checks that need the model's vocabulary."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"{name} must be a SamplingParams, got {type(params).__name__}")
-        try:
-            params = params.clone()
-        except ValueError as err:
-            raise ValueError(f"{name}: {err}") from None
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: stop_token_ids has token id {bad[0]}, outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        for field in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, field)
-            if k is not None and k > self.vocab_size:
-                raise ValueError(f"{name}: {field}={k} is more than the vocabulary's {self.vocab_size} tokens")
-        return params
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
         """Queue one request (one completion: ``n`` must be 1) in any prompt form ``generate``
@@ -211,11 +114,11 @@ class LLMEngine:
         self._check_open()
         self._check_one_replica("add_request")
         self._check_same_calls(prompt, sampling_params)
-        params = self._queue_params(sampling_params, "sampling_params")
+        params = self._checks.params(sampling_params, "sampling_params")
         if params.n != 1:
             raise ValueError(f"add_request queues one completion (n=1), got n={params.n}; generate() and "
                              f"chat() take n > 1")
-        return self._add(self._token_ids(parse_prompt(prompt)), params)
+        return self._add(self._checks.token_ids(parse_prompt(prompt)), params)
 
     def _check_same_calls(self, prompts, sampling_params):
         """torchrun: the ranks' arguments must agree (checked before anything can raise on one
@@ -276,7 +179,7 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> tuple[list[Sequence], int]:
-        self._check_workers()
+        ranks.check_workers(self._workers)
         return self._steps.step()
 
     def is_finished(self) -> bool:
@@ -325,20 +228,11 @@ class LLMEngine:
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._generate(prompts, sampling_params, use_tqdm)
 
-    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, (list, tuple)):
-            return [self._queue_params(sampling_params, "sampling_params")] * num_prompts
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"{len(sampling_params)} sampling params for {num_prompts} prompts")
-        return [self._queue_params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
-
     def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """Validate everything, then run the requests here or split them across the replicas."""
         self._check_idle()
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        prompts = [Prompt(p.text, self._token_ids(p)) for p in prompts]
+        params = self._checks.params_per_prompt(sampling_params, len(prompts))
+        prompts = [Prompt(p.text, self._checks.token_ids(p)) for p in prompts]
         if self._replicas is None:
             return self._run_requests(prompts, params, use_tqdm)
         costs = [data_parallel.request_cost(len(p.token_ids), sp, self.config.max_model_len)
@@ -484,14 +378,3 @@ def _replica_main(conn, config: Config, replica: int):
         engine.shutdown()
 
 
-def _shutdown(model_runner: ModelRunner, workers: list, replicas):
-    if replicas is not None:
-        replicas.close()
-    if all(proc.is_alive() for proc in workers):
-        model_runner.call("exit")
-    else:  # a dead worker's event would block the send: stop the others instead
-        for proc in workers:
-            proc.terminate()
-        model_runner.exit()
-    for proc in workers:
-        proc.join()

@@ -62,9 +62,8 @@ def wanted_blocks(config: Config) -> int:
 
 
 def host_blocks(config: Config, geometry: KVGeometry, ranks_on_host: int) -> int:
-    """Host-tier blocks of this rank (0 without ``enable_cpu_offload``)."""
-    if not config.enable_cpu_offload:
-        return 0
+    """Host-tier blocks of this rank when the cache has a host tier (``KVCache.host_blocks``
+    decides whether it has one)."""
     if config.num_cpu_kvcache_blocks > 0:
         return config.num_cpu_kvcache_blocks
     share = host_memory_share(config.cpu_memory_utilization, ranks_on_host)

@@ -112,7 +112,7 @@ class ModelRunner:
 
     def _tier_sizes(self) -> memory.TierSizes:
         cfg, cache, geometry = self.config, self.cache, self.cache.geometry
-        host = self._smallest_over_ranks(memory.host_blocks(cfg, geometry, self.ranks_on_host))
+        host = self._smallest_over_ranks(cache.host_blocks(self.ranks_on_host))
         gpu = self._smallest_over_ranks(memory.gpu_blocks(
             cfg, geometry, self.device, host, cache.reserved_bytes(host), cache.metadata_bytes_per_block(),
             self.ranks_on_host))

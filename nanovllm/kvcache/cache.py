@@ -1,6 +1,7 @@
 """The KV cache of one rank: the one place that knows the tiers exist.
 
     cache = KVCache(config, attention_layers, device)   binds itself to every attention layer
+    cache.host_blocks(ranks_on_host)                    host-tier size (0 without the host tier)
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
     each step: cache.begin_step(spills) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
@@ -10,13 +11,15 @@ values) read in place by the paged kernels, its last blocks the decode reuse cac
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
 side); a step carries it here as each sequence's two block tables and the list of spills. The
 attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
-With the host tier off, every step is the GPU-only engine's: same tables, same kernels.
+With the host tier off, every step is the GPU-only engine's: same tables, same kernels. Whether
+the host tier exists (``enable_cpu_offload``) is decided here, once, as :attr:`KVCache.tiered`.
 """
 import logging
 
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine import memory
 from nanovllm.engine.memory import KVGeometry, TierSizes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK
@@ -42,7 +45,8 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
                                    config.dtype)
         self.policy = create_policy(config, layer.scale)
-        self.reuse_rows = reuse_cache_rows(config, self.policy.chooses_decode_blocks)
+        self.tiered = config.enable_cpu_offload  # the KV mode: a host tier beside the GPU tier
+        self.reuse_rows = reuse_cache_rows(config) if self.tiered and self.policy.chooses_decode_blocks else 0
         self.stats = SparseStats()
         self.attention = TieredAttention(self.policy, self.stats, layer.scale)
         for i, module in enumerate(layers):
@@ -61,10 +65,14 @@ class KVCache:
         g = self.geometry
         return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
 
+    def host_blocks(self, ranks_on_host: int) -> int:
+        """Host-tier blocks of this rank (``memory.host_blocks``); 0 without the host tier."""
+        return memory.host_blocks(self.config, self.geometry, ranks_on_host) if self.tiered else 0
+
     def reserved_bytes(self, num_host_blocks: int) -> int:
         """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata,
         the reuse cache's rows."""
-        if not self.config.enable_cpu_offload:
+        if not self.tiered:
             return 0
         slot_bytes = self.geometry.block_bytes // self.geometry.num_layers
         return (self.config.num_ring_slots * slot_bytes + num_host_blocks * self.metadata_bytes_per_block()
@@ -84,7 +92,7 @@ class KVCache:
             raise RuntimeError(f"cannot allocate the KV cache: num_kvcache_blocks={sizes.gpu_blocks} x "
                                f"{g.block_bytes} bytes = {sizes.gpu_blocks * g.block_bytes / 2**30:.1f} GiB on "
                                f"{self.device}: {err}") from err
-        if self.config.enable_cpu_offload:
+        if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots)
         self.num_gpu_blocks = sizes.gpu_blocks

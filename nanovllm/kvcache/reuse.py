@@ -19,12 +19,10 @@ cache only decides where blocks go; the pipeline copies and reads them (``pipeli
 from collections import OrderedDict
 
 
-def reuse_cache_rows(config, chooses_decode_blocks: bool) -> int:
-    """Rows per layer of the reuse cache: ``config.num_reuse_cache_blocks``, by default (-1)
-    ``config.sparse_topk_blocks`` (one step's picks of a sequence); 0 without a host tier or
-    without a policy that chooses decode blocks."""
-    if not (config.enable_cpu_offload and chooses_decode_blocks):
-        return 0
+def reuse_cache_rows(config) -> int:
+    """Rows per layer of the reuse cache of a cache with a host tier and a policy that chooses
+    decode blocks (``KVCache`` decides whether it has one): ``config.num_reuse_cache_blocks``, by
+    default (-1) ``config.sparse_topk_blocks`` (one step's picks of a sequence)."""
     return config.sparse_topk_blocks if config.num_reuse_cache_blocks == -1 else config.num_reuse_cache_blocks
 
 
