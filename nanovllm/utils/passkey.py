@@ -20,6 +20,7 @@ __all__ = [
     "QUESTION",
     "build_passkey_prompt",
     "chat_prompt_ids",
+    "template_halves",
 ]
 
 FILLER_SENTENCES = (
@@ -39,8 +40,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _template_halves(tokenizer, system: str | None) -> tuple[str, str]:
-    """Chat-template text before and after the user message content."""
+def template_halves(tokenizer, system: str | None) -> tuple[str, str]:
+    """The chat-template text ``(before, after)`` the user message content, generation prompt
+    included (``system``: optional system message). ValueError when the template does not
+    render the user content verbatim."""
     messages = [] if system is None else [{"role": "system", "content": system}]
     messages.append({"role": "user", "content": _SENTINEL})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -93,7 +96,7 @@ def build_passkey_prompt(
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    prefix, suffix = _template_halves(tokenizer, system)
+    prefix, suffix = template_halves(tokenizer, system)
     prefix_ids = _encode(tokenizer, prefix)
     suffix_ids = _encode(tokenizer, suffix)
     needle = NEEDLE_TEMPLATE.format(key=key)
