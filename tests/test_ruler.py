@@ -4,7 +4,8 @@
 Both a pytest module and a command-line tool; they share :func:`run_ruler`.
 
 The prompts come from :func:`nanovllm.utils.ruler.generate_samples` (needle-in-a-haystack with
-numbers, words and UUIDs, multi-key / multi-value / multi-query needles, variable tracking,
+numbers, words and UUIDs, multi-key needles in essay filler or in a haystack of distractor
+needles, multi-value / multi-query needles, variable tracking,
 common-words and frequent-words extraction), each exactly ``--input-len`` tokens with the model's
 chat template. Every task's samples go through ``LLM.generate`` greedily in one call, and each
 output is scored with RULER's metric (:func:`nanovllm.utils.ruler.score`: the fraction of the
@@ -314,9 +315,11 @@ def test_exact_length_and_fields(samples, tokenizer, task, input_len):
     assert batch[0]["input_ids"] != batch[1]["input_ids"]
 
 
-EXPECTED_ANSWERS = {"niah_single_numbers": 1, "niah_single_words": 1, "niah_single_uuids": 1,
-                    "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4,
+EXPECTED_ANSWERS = {"niah_single_numbers": 1, "niah_single_essay_numbers": 1, "niah_single_words": 1,
+                    "niah_single_uuids": 1, "niah_multikey": 1, "niah_multikey_needles": 1,
+                    "niah_multikey_uuids": 1, "niah_multivalue": 4, "niah_multiquery": 4,
                     "vt": 5, "cwe": 10, "fwe": 3}
+NEEDLE_KEY = r"([0-9a-z-]+)"  # "adjective-noun" words or UUIDs
 
 
 @pytest.mark.parametrize("input_len", UNIT_LENGTHS)
@@ -334,9 +337,9 @@ def test_answers_in_prompt(samples, tokenizer, task, input_len):
         if task.startswith("niah"):
             type_v = {"words": "words", "uuids": "uuids"}.get(task.rsplit("_", 1)[-1], "numbers")
             for a in answers:
-                assert re.search(rf"One of the special magic {type_v} for [a-z-]+ is: {re.escape(a)}\.", text), a
+                assert re.search(rf"One of the special magic {type_v} for {NEEDLE_KEY} is: {re.escape(a)}\.", text), a
             question = text[text.index("What are all the special magic"):]
-            needles = re.findall(rf"One of the special magic {type_v} for ([a-z-]+) is: (\S+)\.", text)
+            needles = re.findall(rf"One of the special magic {type_v} for {NEEDLE_KEY} is: (\S+)\.", text)
             asked = [k for k, v in needles if v in answers]
             assert all(k in question for k in asked)
             if task == "niah_multikey":  # three distractor keys that are not asked for
@@ -364,6 +367,34 @@ def test_answers_in_prompt(samples, tokenizer, task, input_len):
             assert counts[answers[2]] > counts[ranked[3]]
 
 
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+
+
+@pytest.mark.parametrize("input_len", UNIT_LENGTHS)
+@pytest.mark.parametrize("task", ["niah_multikey_needles", "niah_multikey_uuids"])
+def test_needle_haystack(samples, task, tokenizer, input_len):
+    """RULER's "needle" haystack: the context holds nothing but needles (the last one cut to make
+    the length exact), their keys are all distinct, and exactly one has the queried key and the
+    answer as its value."""
+    type_v, key_re, value_re = ("uuids", UUID, UUID) if task.endswith("uuids") else ("numbers", r"[a-z]+-[a-z]+", r"\d{7}")
+    needle = re.compile(rf"One of the special magic {type_v} for ({key_re}) is: ({value_re})\.")
+    for s in samples[(task, input_len)]:
+        text = tokenizer.decode(s["input_ids"])
+        context = text.split("afterwards.\n", 1)[1].rsplit("\nWhat are all the special magic", 1)[0]
+        (query,) = re.findall(rf"What are all the special magic {type_v} for ({key_re}) mentioned", text)
+        *lines, last = context.split("\n")
+        matches = [needle.fullmatch(line) for line in lines]
+        assert all(matches), [line for line, m in zip(lines, matches) if not m]
+        assert needle.fullmatch(last) or "One of the special magic "[:len(last)] == last[:25], last
+        keys = [m.group(1) for m in matches]
+        assert len(set(keys)) == len(keys) >= 2
+        ctx_tokens = len(tokenizer.encode(context, add_special_tokens=False))
+        longest = max(len(tokenizer.encode("\n" + line, add_special_tokens=False)) for line in lines)
+        assert len(lines) + 1 >= ctx_tokens // longest  # whole needles up to the cut one
+        assert [m.group(2) for m in matches if m.group(1) == query] == s["answers"]
+        assert needle.fullmatch(last) is None or needle.fullmatch(last).group(1) not in keys + [query]
+
+
 def test_deterministic_by_seed(tokenizer):
     for task in ruler.TASKS:
         a = ruler.generate_samples(tokenizer, task, 2, 700, seed=3)
@@ -378,6 +409,8 @@ def test_deterministic_by_seed(tokenizer):
 def test_aliases_and_errors(tokenizer):
     assert ruler.generate_samples(tokenizer, "niah_single", 1, 500)[0]["task"] == "niah_single_numbers"
     assert ruler.resolve_task("variable_tracking") == "vt"
+    assert [ruler.resolve_task(f"niah_{t}") for t in ("single_2", "multikey_1", "multikey_2", "multikey_3")] == \
+        ["niah_single_essay_numbers", "niah_multikey", "niah_multikey_needles", "niah_multikey_uuids"]
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*niah_single_numbers"):
         ruler.generate_samples(tokenizer, "nope", 1, 500)
     with pytest.raises(ValueError, match="unknown task"):

@@ -79,8 +79,11 @@ TASKS = tuple(_BUILDERS)
 TASK_ALIASES = {
     "niah_single": "niah_single_numbers",
     "niah_single_1": "niah_single_numbers",
+    "niah_single_2": "niah_single_essay_numbers",
     "niah_single_3": "niah_single_uuids",
     "niah_multikey_1": "niah_multikey",
+    "niah_multikey_2": "niah_multikey_needles",
+    "niah_multikey_3": "niah_multikey_uuids",
     "variable_tracking": "vt",
     "common_words_extraction": "cwe",
     "freq_words_extraction": "fwe",

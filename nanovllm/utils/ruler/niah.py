@@ -35,9 +35,12 @@ class NiahSpec(NamedTuple):
 
 TASKS = {
     "niah_single_numbers": NiahSpec("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_essay_numbers": NiahSpec("essay", "words", "numbers", 1, 1, 1),
     "niah_single_uuids": NiahSpec("essay", "words", "uuids", 1, 1, 1),
     "niah_single_words": NiahSpec("essay", "words", "words", 1, 1, 1),
     "niah_multikey": NiahSpec("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_needles": NiahSpec("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_uuids": NiahSpec("needle", "uuids", "uuids", 1, 1, 1),
     "niah_multivalue": NiahSpec("essay", "words", "numbers", 1, 4, 1),
     "niah_multiquery": NiahSpec("essay", "words", "numbers", 4, 1, 4),
 }
