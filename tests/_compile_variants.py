@@ -156,7 +156,8 @@ WORKLOADS = {
     "layer_steps": (layer_steps, {
         "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1}),
     "decode_steps": (decode_steps, {
-        "decode_attention._decode_split_kernel": 1, "decode_attention._decode_reduce_kernel": 1,
+        # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not
+        "decode_attention._decode_split_kernel": 2, "decode_attention._decode_reduce_kernel": 1,
         "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1}),
 }
 """``{name: (workload(n, device), {kernel: most variants over any lengths})}``; a workload launches

@@ -115,8 +115,11 @@ def _decode_split_kernel(
     stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr,
 ):
+    """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
+    split): the pointers and strides are the output's and the LSE's, written as the merge writes
+    them (output in its dtype, LSE in natural log), so no merge kernel runs."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // G_CHUNKS
     g = (tl.program_id(1) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -151,8 +154,12 @@ def _decode_split_kernel(
                                          BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = b * stride_pb + heads * stride_ph + split * stride_ps
-    tl.store(o_part_ptr + part[:, None] + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
+    lse = m_i + tl.log2(l_i)
+    if FINAL:  # natural log, as the merge writes it (no key: -inf + log2(0) = -inf)
+        lse = lse * 0.6931471805599453
+    tl.store(o_part_ptr + part[:, None] + d[None, :], out.to(o_part_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh", "stride_mb"])
@@ -211,8 +218,16 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
-    o_part = torch.empty((batch, heads_q, splits, dim), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((batch, heads_q, dim), dtype=torch.float32 if return_lse else q.dtype, device=q.device)
+    # One split (a large batch): the split kernel writes the result itself. The LSE is written
+    # either way (a scratch row when not asked for), so that the kernel has one form per dtype.
+    lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device)
+    final = splits == 1
+    if final:
+        o_part, lse_part = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        o_part = torch.empty((batch, heads_q, splits, dim), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, heads_kv * g_chunks, splits)](
         q, k_cache, v_cache, tables, lens, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,
@@ -221,18 +236,17 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=final,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-    out = torch.empty((batch, heads_q, dim), dtype=torch.float32 if return_lse else q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
-    _decode_reduce_kernel[(batch, heads_q)](
-        o_part, lse_part, out, lse, splits,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=dim, BLOCK_S=next_pow2(splits if interpreted(q) else max(splits, _MAX_SPLITS)), BLOCK_D=block_d,
-        WRITE_LSE=return_lse,
-    )
+    if not final:
+        _decode_reduce_kernel[(batch, heads_q)](
+            o_part, lse_part, out, lse, splits,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=dim, BLOCK_S=next_pow2(splits if interpreted(q) else max(splits, _MAX_SPLITS)),
+            BLOCK_D=block_d, WRITE_LSE=return_lse,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -319,7 +333,8 @@ def decode_attention(
             also rejects context lengths out of range.
 
     CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
-    also writes the merged LSE when asked), with a grid fixed by the shapes and no host sync, so
+    also writes the merged LSE when asked; with one split, e.g. a large batch, the split pass
+    writes the result itself and no merge runs), with a grid fixed by the shapes and no host sync, so
     the call is CUDA-graph capturable (run it once before capture so Triton compiles). On the H200
     it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
     4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
