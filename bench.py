@@ -14,7 +14,7 @@ KV writes are left out (a few percent here), so the bound is slightly optimistic
     python bench.py --tensor-parallel-size 2                           # spawns rank 1 itself
     python bench.py --data-parallel-size 2                             # spawns replica 1 on GPU 1
     python bench.py --logprobs 5         # every request also returns the top-5 logprobs per token
-    python bench.py --async-scheduling      # overlap host scheduling of step N+1 with the GPU's step N
+    python bench.py --no-async-scheduling   # the synchronous loop (default: async scheduling, where supported)
     torchrun --nproc-per-node 2 bench.py --tensor-parallel-size 2      # one process per GPU
     torchrun --standalone --nproc-per-node 2 bench.py --data-parallel-size 2   # 2 replicas, 1 GPU each
     torchrun --standalone --nproc-per-node 4 bench.py --data-parallel-size 2 --tensor-parallel-size 2
@@ -135,8 +135,9 @@ def main():
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas sharing the prompts (each of --tensor-parallel-size ranks)")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="async_scheduling=True (default: the synchronous loop)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="force async scheduling on or off (default: the engine's choice, on where "
+                             "supported: CUDA, TP=1)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="SamplingParams(logprobs=K) for every request (default: none)")

@@ -16,6 +16,7 @@ import weakref
 import pytest
 
 from nanovllm import SamplingParams
+from nanovllm.config import Config, async_scheduling_blockers
 
 from _util import LOGPROB_TOL, assert_same, build_llm, random_prompt, run_requests
 
@@ -74,10 +75,16 @@ def stops_from(ref_tokens: list[int], text: str):
     return ref_tokens[len(ref_tokens) // 2], text[len(text) // 2:len(text) // 2 + 3]
 
 
-def test_default_is_off_and_true_is_checked(qwen3_dir):
+def test_default_is_on_where_supported_and_true_is_checked(qwen3_dir):
+    """None (the default) resolves to off on CPU, and on CUDA to on unless a setting blocks it
+    (that branch: tests/gpu/test_async_scheduling_gpu.py)."""
     llm = build_llm(qwen3_dir)
     assert llm.config.async_scheduling is False
     llm.shutdown()
+    for kwargs, blockers in (({}, []), ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
+                             ({"enable_cpu_offload": True}, ["enable_cpu_offload=True"]),
+                             ({"sparse_policy": "QUEST"}, ["sparse_policy='QUEST'"])):
+        assert async_scheduling_blockers(Config(qwen3_dir, device="cpu", **kwargs)) == blockers
     llm = build_llm(qwen3_dir, async_scheduling=True)
     llm.generate([random_prompt(20, seed=1)], SamplingParams(max_tokens=3), use_tqdm=False)
     runner = weakref.ref(llm.model_runner)

@@ -6,8 +6,8 @@ Step N's sampled tokens stay on the device and are step N+1's input ids; the hos
 logprobs and block bookkeeping. Until then each sequence holds a placeholder token
 (``sequence.PLACEHOLDER_TOKEN``), so lengths, positions and slots of step N+1 are right.
 
-When it overlaps: ``Config.async_scheduling`` is on (opt-in; it needs tensor parallelism 1, no
-host KV tier and a sparse policy other than QUEST; see ``Config``); a decode step is then
+When it overlaps: ``Config.async_scheduling`` is on (the CUDA default where supported: tensor
+parallelism 1, no host KV tier, a sparse policy other than QUEST; see ``Config``); a decode step is then
 launched without waiting for it, and the next step is launched before reading it when
 :meth:`Scheduler.schedule_decode_ahead` can schedule it, i.e. when it is a decode step of the same
 sequences (those reaching ``max_tokens`` / ``max_model_len`` left out): nothing waits to be

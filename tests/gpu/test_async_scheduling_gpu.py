@@ -1,6 +1,6 @@
 """Async scheduling on CUDA with CUDA graphs (run on the H200: ``python -m pytest
 tests/gpu/test_async_scheduling_gpu.py -m gpu``): the same batches with ``async_scheduling`` on
-(the CUDA default) and off give the same RequestOutputs and the same KV block counts.
+(the CUDA default) and off give the same RequestOutputs and the same KV block traffic.
 
 Where every request ends on its length (nothing stops on a sampled token) the steps have the same
 shapes and the outputs must be equal to the bit (bf16). Where requests stop on sampled tokens,
@@ -65,6 +65,10 @@ def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         stats = llm.get_kv_cache_stats()
+        # the tiers' sizes come from the free memory at start-up, which the previous engine's
+        # leftovers change (17,631 vs 17,521 blocks on the H200): compare the traffic only
+        for capacity in ("gpu_blocks", "host_blocks"):
+            stats.pop(capacity, None)
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.gpu.num_blocks
     gc.collect()
@@ -111,3 +115,8 @@ def test_token_stops_match(model_dir):
     assert ahead > 0 and reasons.count("stop") > len(reasons) // 4
     assert_same(on, off, FLOAT32_TOL)
     assert on_stats == off_stats
+
+
+def test_default_is_on_for_cuda(model_dir):
+    with LLM(model_dir, device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3) as llm:
+        assert llm.config.async_scheduling is True
