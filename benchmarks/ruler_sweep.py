@@ -1,0 +1,155 @@
+"""RULER over prompt lengths and engine settings (issue 14's table): one JSON line per (setting, length).
+
+Runs ``tests/test_ruler.py``'s evaluation (:func:`run_ruler`: one greedy ``generate`` per task, all
+of its samples batched, RULER's metric) for every setting in ``--settings`` at every length in
+``--lengths`` (RULER's sequence lengths: prompt and answer, :data:`ANSWER_ROOM`), and appends to ``--out`` one JSON line per run: the setting, the length, each
+task's mean score, the average over tasks, the sparse densities (``LLM.get_sparse_stats``) and the
+wall time. A run that fails is recorded with its error and the sweep goes on. ``--table`` turns
+such lines into the Markdown table of ``docs/sparse.md``.
+
+The samples can be built here and carried to the GPU machine (``--make-samples``), since building
+them takes ~10 s per 32K length on one core::
+
+    python -m benchmarks.ruler_sweep --make-samples .devrun/ruler_samples.pt --model DIR \\
+        --lengths 4096,8192,16384,32768 --num-samples 10
+    python -m benchmarks.ruler_sweep --samples .devrun/ruler_samples.pt --model DIR \\
+        --settings full-gpu,xattn-0.9 --out $OUT/ruler.jsonl
+    python -m benchmarks.ruler_sweep --table ruler.jsonl
+
+Settings (:data:`SETTINGS`): FULL without the host tier; FULL with the host tier holding all but
+each sequence's first block and the block it writes (``EngineSettings``: 2 GPU blocks per
+sequence), with 2 or 4 ring slots; QUEST over the host tier (its decode density is the share of
+host blocks read); XATTN_BSA without the host tier (its density is the share of causal blocks
+computed in prefill).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
+
+from nanovllm import LLM  # noqa: E402
+from nanovllm.utils import ruler  # noqa: E402
+
+SETTINGS = {
+    "full-gpu": {},
+    "full-host-2": dict(enable_offload=True, num_ring_slots=2),
+    "full-host-4": dict(enable_offload=True, num_ring_slots=4),
+    "quest-b1024-k4": dict(enable_offload=True, num_ring_slots=4, sparse_policy="QUEST", sparse_topk_blocks=4),
+    "quest-b1024-k8": dict(enable_offload=True, num_ring_slots=4, sparse_policy="QUEST", sparse_topk_blocks=8),
+    "quest-b512-k8": dict(enable_offload=True, num_ring_slots=4, block_size=512, sparse_policy="QUEST",
+                          sparse_topk_blocks=8),
+    "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
+    "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
+}
+"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples)."""
+ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
+"""A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
+answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
+
+
+def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) -> dict:
+    """``{length: {task: samples}}`` for every task of :data:`ruler.TASKS`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    settings = RulerSettings(num_samples=num_samples, seed=seed)
+    return {n: build_samples(tokenizer, RulerSettings(**{**vars(settings), "input_len": n - ANSWER_ROOM}))
+            for n in lengths}
+
+
+def run_one(model: str, name: str, length: int, samples: dict, num_samples: int) -> dict:
+    """One setting at one length: the JSON line (see the module docstring)."""
+    settings = RulerSettings(tasks=list(samples), num_samples=num_samples, input_len=length - ANSWER_ROOM,
+                             max_num_seqs=num_samples, **SETTINGS[name])
+    settings.validate()
+    t0 = time.perf_counter()
+    llm = LLM(model, **settings.engine_kwargs())
+    try:
+        report = run_ruler(llm, settings, samples)
+    finally:
+        llm.shutdown()
+    stats = report.sparse_stats or {}
+    return {"setting": name, "input_len": length, "num_samples": num_samples,
+            "overall": round(report.overall, 4), "tasks": {r.task: round(r.mean, 4) for r in report.results},
+            "prefill_density": stats.get("prefill", {}).get("density"),
+            "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
+            "decode_comm_density": stats.get("decode", {}).get("comm_density"),
+            "generate_seconds": round(sum(r.seconds for r in report.results), 1),
+            "seconds": round(time.perf_counter() - t0, 1), "offload": report.offload, "dtype": report.dtype,
+            "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
+
+
+def sweep(args) -> None:
+    samples = torch.load(args.samples) if args.samples else make_samples(args.model, args.lengths,
+                                                                         args.num_samples, args.seed)
+    for name in args.settings:
+        for length in args.lengths:
+            try:
+                line = run_one(args.model, name, length, samples[length], args.num_samples)
+            except Exception as err:  # record it; the other runs go on
+                line = {"setting": name, "input_len": length, "error": f"{type(err).__name__}: {err}"}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            print(json.dumps({k: v for k, v in line.items() if k != "outputs"}), flush=True)
+
+
+def table(path: str) -> str:
+    """The Markdown table of a sweep's JSON lines: a row per (setting, length), a column per task."""
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    runs = [x for x in lines if "error" not in x]
+    tasks = [t for t in ruler.TASKS if any(t in x["tasks"] for x in runs)]
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    head = ["setting", "length", *tasks, "average", "prefill density", "decode comm density", "seconds"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in sorted(runs, key=lambda x: (list(SETTINGS).index(x["setting"]), x["input_len"])):
+        cells = [x["setting"], str(x["input_len"]), *(f"{100 * x['tasks'][t]:.0f}" for t in tasks),
+                 f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x["decode_comm_density"]),
+                 f"{x['generate_seconds']:.0f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    rows += [f"\nfailed: {x['setting']} at {x['input_len']}: {x['error']}" for x in lines if "error" in x]
+    return "\n".join(rows)
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="the model directory")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
+    p.add_argument("--num-samples", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settings", type=_names, default=list(SETTINGS))
+    p.add_argument("--samples", help="samples made by --make-samples (default: build them)")
+    p.add_argument("--make-samples", metavar="PATH", help="only build the samples and save them")
+    p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here")
+    p.add_argument("--table", metavar="JSONL", help="only print the Markdown table of a sweep's lines")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+    elif args.make_samples:
+        torch.save(make_samples(args.model, args.lengths, args.num_samples, args.seed), args.make_samples)
+    else:
+        if not args.model:
+            p.error("--model is required")
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()
