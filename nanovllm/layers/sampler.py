@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.ops._triton import interpreted, use_triton
+from nanovllm.ops.sample_race import SEED_HIGH, sample_race
 from nanovllm.utils.tensors import to_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -142,6 +144,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def temperature_only(params: SamplingTensors) -> bool:
+    """True when the batch needs nothing but greedy rows and temperature: no penalties, banned
+    tokens, min-p, top-k / top-p or logprobs (read from the host flags, no device sync)."""
+    return (params.penalties is None and params.banned is None and params.min_p is None
+            and params.top_k is None and params.top_p is None and not params.logprob_rows)
+
+
 class Sampler(nn.Module):
     """logits float ``[rows, vocab]`` + :class:`SamplingTensors` -> :class:`SamplerOutput`.
 
@@ -149,10 +158,23 @@ class Sampler(nn.Module):
     drawn from the row's own generator when its request has a seed, else from ``generator`` (the
     engine's). Greedy rows take the exact argmax of the penalised, masked logits. Logprobs come
     from the logits as given (before penalties and temperature: vLLM's "raw_logprobs").
+
+    Fused path: a batch that is :func:`temperature_only` is sampled by one Triton kernel
+    (:func:`nanovllm.ops.sample_race.sample_race`) reading the logits in their own dtype, with
+    Philox noise keyed per row: a seeded request's row takes one seed per step from its
+    generator, the other rows one seed each from a single draw of ``generator`` per step. Taken
+    on CUDA when Triton is installed (``fused=None``); ``fused=True`` also takes it under
+    Triton's interpreter (tests), ``fused=False`` never. Elsewhere the torch path below runs.
     """
+
+    def __init__(self, fused: bool | None = None):
+        super().__init__()
+        self.fused = fused
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors,
                 generator: torch.Generator | None = None) -> SamplerOutput:
+        if self._fuses(logits) and temperature_only(params):
+            return SamplerOutput(self._sample_fused(logits, params, generator), None)
         raw = logits = logits.float()
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
@@ -162,6 +184,28 @@ class Sampler(nn.Module):
         if params.sampled_rows:
             tokens = self._sample(logits, tokens, params, generator)
         return SamplerOutput(tokens, self._logprobs(raw, tokens, params))
+
+    def _fuses(self, logits: torch.Tensor) -> bool:
+        if self.fused is None:
+            return use_triton(logits) and not interpreted(logits)
+        return self.fused and use_triton(logits)
+
+    @staticmethod
+    def _sample_fused(logits: torch.Tensor, params: SamplingTensors, generator) -> torch.Tensor:
+        rows = logits.size(0)
+        if not params.sampled_rows:
+            return sample_race(logits, None, None)
+        temperatures = params.temperatures
+        if len(params.sampled_rows) < rows:  # greedy rows get temperature 0
+            sampled = set(params.sampled_rows)
+            mask = to_device([row in sampled for row in range(rows)], torch.bool, logits.device)
+            temperatures = temperatures.where(mask, 0.0)
+        seeds = torch.randint(SEED_HIGH, (rows,), generator=generator, device=logits.device)
+        for row in params.sampled_rows:
+            if row in params.generators:
+                gen = params.generators[row]
+                seeds[row] = torch.randint(SEED_HIGH, (), generator=gen, device=gen.device)
+        return sample_race(logits, temperatures, seeds)
 
     @staticmethod
     def _sample(logits, greedy_tokens, params: SamplingTensors, generator) -> torch.Tensor:
