@@ -74,12 +74,12 @@ def sample_race_ref(logits: torch.Tensor, temperatures: torch.Tensor | None, see
             if is_sampled:
                 uniforms[row] = torch.rand(logits.size(1), generator=torch.Generator().manual_seed(seed))
         uniforms = uniforms.to(logits.device)
-    raced = scores / temperatures.unsqueeze(1) - torch.log(-torch.log(uniforms))
+    raced = scores * (1 / temperatures).unsqueeze(1) - torch.log(-torch.log(uniforms))
     return torch.where(sampled.unsqueeze(1), raced, scores).argmax(-1)
 
 
 @triton.jit
-def _block_best(logits_row, u_ptr, u_off, start, j, vocab, temperature, gumbel, best_val, best_idx,
+def _block_best(logits_row, u_ptr, u_off, start, j, vocab, inv_temperature, gumbel, best_val, best_idx,
                 FIRST: tl.constexpr, SAMPLED: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
     """The running (max score, first argmax) after the block of tokens ``start + j``; ``gumbel``
     its Philox noise ``-log(-log U)`` (unused with GIVEN_UNIFORMS or for a greedy row). A NaN
@@ -91,17 +91,19 @@ def _block_best(logits_row, u_ptr, u_off, start, j, vocab, temperature, gumbel, 
         if GIVEN_UNIFORMS:
             u = tl.load(u_ptr + u_off + cols, mask=mask, other=0.5)
             gumbel = -tl.log(-tl.log(u))
-        score = tl.math.div_rn(score, temperature) + gumbel
+        score = score * inv_temperature + gumbel
     score = tl.where(score != score, float("inf"), score)
     val, idx = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
     if FIRST:
-        return val, idx + start
-    better = val > best_val
-    return tl.where(better, val, best_val), tl.where(better, idx + start, best_idx)
+        best_val, best_idx = val, idx + start
+    else:
+        better = val > best_val
+        best_val, best_idx = tl.where(better, val, best_val), tl.where(better, idx + start, best_idx)
+    return best_val, best_idx
 
 
 @triton.jit
-def _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, temperature, BLOCK: tl.constexpr,
+def _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, inv_temperature, BLOCK: tl.constexpr,
                 SAMPLED: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
     """(max score, first argmax) of the 4 * BLOCK tokens from ``base``: one Philox4x32 call gives
     the noise of all four blocks (counter ``base / 4 + j`` for token ``base + k * BLOCK + j``)."""
@@ -111,13 +113,13 @@ def _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, temperatur
     if SAMPLED and not GIVEN_UNIFORMS:
         u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr + row), base // 4 + j)
         g0, g1, g2, g3 = -tl.log(-tl.log(u0)), -tl.log(-tl.log(u1)), -tl.log(-tl.log(u2)), -tl.log(-tl.log(u3))
-    val, idx = _block_best(logits_row, u_ptr, u_off, base, j, vocab, temperature, g0, 0.0, 0,
+    val, idx = _block_best(logits_row, u_ptr, u_off, base, j, vocab, inv_temperature, g0, 0.0, 0,
                            True, SAMPLED, GIVEN_UNIFORMS)
-    val, idx = _block_best(logits_row, u_ptr, u_off, base + BLOCK, j, vocab, temperature, g1, val, idx,
+    val, idx = _block_best(logits_row, u_ptr, u_off, base + BLOCK, j, vocab, inv_temperature, g1, val, idx,
                            False, SAMPLED, GIVEN_UNIFORMS)
-    val, idx = _block_best(logits_row, u_ptr, u_off, base + 2 * BLOCK, j, vocab, temperature, g2, val, idx,
+    val, idx = _block_best(logits_row, u_ptr, u_off, base + 2 * BLOCK, j, vocab, inv_temperature, g2, val, idx,
                            False, SAMPLED, GIVEN_UNIFORMS)
-    val, idx = _block_best(logits_row, u_ptr, u_off, base + 3 * BLOCK, j, vocab, temperature, g3, val, idx,
+    val, idx = _block_best(logits_row, u_ptr, u_off, base + 3 * BLOCK, j, vocab, inv_temperature, g3, val, idx,
                            False, SAMPLED, GIVEN_UNIFORMS)
     return val, idx
 
@@ -134,10 +136,10 @@ def _race_chunks_kernel(logits_ptr, temp_ptr, seed_ptr, u_ptr, val_ptr, idx_ptr,
     if HAS_TEMPERATURE:
         temperature = tl.load(temp_ptr + row)
         if temperature >= greedy_below:
-            val, idx = _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, temperature, BLOCK,
+            val, idx = _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, 1.0 / temperature, BLOCK,
                                    True, GIVEN_UNIFORMS)
         else:
-            val, idx = _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, temperature, BLOCK,
+            val, idx = _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, 1.0, BLOCK,
                                    False, GIVEN_UNIFORMS)
     else:
         val, idx = _chunk_best(logits_row, u_ptr, u_off, seed_ptr, row, base, vocab, 1.0, BLOCK,
