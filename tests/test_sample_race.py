@@ -21,7 +21,7 @@ def race_inputs(rows, vocab, seed, dtype=torch.float32, pad=0):
     (0) every third row, uniforms in (0, 1). No near-ties: each row's winner is raised by 0.1
     (so the kernel's and the reference's float rounding cannot pick different tokens)."""
     gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab + pad, generator=gen) * 3).to(dtype)[:, :vocab]
+    logits = (torch.randn(rows, vocab + pad, generator=gen) * 2).to(dtype)[:, :vocab]
     temperatures = torch.rand(rows, generator=gen) * 1.5 + 0.2
     temperatures[::3] = 0.0
     uniforms = torch.rand(rows, vocab, generator=gen).clamp(1e-6, 1 - 1e-6)
@@ -123,10 +123,13 @@ def test_cpu_sampler_keeps_the_torch_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_interpreted_kernel_matches_reference_given_uniforms(dtype):
     # 203 tokens: three full 64-token chunks (4 blocks of 16) and a partial one; strided rows
-    logits, temperatures, uniforms = race_inputs(7, 203, seed=10, dtype=dtype, pad=5)
+    logits, temperatures, uniforms = race_inputs(12, 203, seed=10, dtype=dtype, pad=5)
     tokens = sample_race(logits, temperatures, None, uniforms)
     assert tokens.dtype == torch.int64
-    assert torch.equal(tokens, sample_race_ref(logits, temperatures, None, uniforms))
+    expected = sample_race_ref(logits, temperatures, None, uniforms)
+    assert torch.equal(tokens, expected)
+    untempered = sample_race_ref(logits, (temperatures > 0).float(), None, uniforms)
+    assert (untempered != expected).sum() >= 2  # the inputs tell a kernel ignoring T apart
 
 
 @interpreted_only
@@ -179,6 +182,25 @@ def test_interpreted_fused_sampler_rows():
     assert int(alone.tokens[0]) == int(tokens[2])
 
 
+@interpreted_only
+def test_interpreted_seeded_row_draws_the_same_on_both_paths():
+    """A seeded row samples the same token whether its batch is temperature-only (the fused
+    kernel) or needs the torch stages (top-k, logprobs of another row): the race is the same."""
+    logits = torch.randn(3, 90, generator=torch.Generator().manual_seed(1))
+    temperatures = torch.tensor([0.8, 1.0, 0.0])
+    seeded = 1
+
+    def token(**change):
+        params = plain_params(temperatures, {seeded: torch.Generator().manual_seed(5)})
+        for name, value in change.items():
+            setattr(params, name, value)
+        return int(Sampler(fused=True)(logits, params).tokens[seeded])
+
+    alone = token()
+    assert token(top_k=torch.tensor([5, -1, -1]), top_p=torch.ones(3)) == alone
+    assert token(logprob_rows=[0], num_logprobs=2) == alone
+
+
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=7)
+    run_interpreted_tests(__file__, min_passed=8)
