@@ -13,12 +13,11 @@ VOCAB = 151_936
 
 
 def race_inputs(rows, vocab, dtype, pad):
-    """As tests/test_sample_race.py's: strided logits, every third row greedy, each row's winner
-    raised by 0.1 so that no near-tie lets float rounding pick another token."""
+    """As tests/test_sample_race.py's: strided logits, rows greedy / T 0.3 / T 2.5 in turn, each
+    row's winner raised by 0.1 so that no near-tie lets float rounding pick another token."""
     gen = torch.Generator(DEVICE).manual_seed(rows)
     logits = (torch.randn(rows, vocab + pad, device=DEVICE, generator=gen) * 3).to(dtype)[:, :vocab]
-    temperatures = torch.rand(rows, device=DEVICE, generator=gen) * 1.5 + 0.2
-    temperatures[::3] = 0.0
+    temperatures = torch.tensor([0.0, 0.3, 2.5], device=DEVICE).repeat(rows)[:rows]
     uniforms = torch.rand(rows, vocab, device=DEVICE, generator=gen).clamp(1e-6, 1 - 1e-6)
     winners = sample_race_ref(logits, temperatures, None, uniforms)
     logits[torch.arange(rows, device=DEVICE), winners] += 0.1
