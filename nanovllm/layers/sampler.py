@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.ops._triton import interpreted, use_triton
+from nanovllm.ops.sample_race import SEED_HIGH, sample_race
 from nanovllm.utils.tensors import to_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -142,6 +144,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def temperature_only(params: SamplingTensors) -> bool:
+    """True when the batch needs nothing but greedy rows and temperature: no penalties, banned
+    tokens, min-p, top-k / top-p or logprobs (read from the host flags, no device sync)."""
+    return (params.penalties is None and params.banned is None and params.min_p is None
+            and params.top_k is None and params.top_p is None and not params.logprob_rows)
+
+
 class Sampler(nn.Module):
     """logits float ``[rows, vocab]`` + :class:`SamplingTensors` -> :class:`SamplerOutput`.
 
@@ -149,10 +158,27 @@ class Sampler(nn.Module):
     drawn from the row's own generator when its request has a seed, else from ``generator`` (the
     engine's). Greedy rows take the exact argmax of the penalised, masked logits. Logprobs come
     from the logits as given (before penalties and temperature: vLLM's "raw_logprobs").
+
+    Fused path: a batch that is :func:`temperature_only` is sampled by one Triton kernel
+    (:func:`nanovllm.ops.sample_race.sample_race`) reading the logits in their own dtype, with
+    Philox noise keyed per row: a seeded request's row takes one seed per step from its
+    generator, the other rows one seed each from a single draw of ``generator`` per step. Other
+    batches run the torch stages, and there the race over the kept tokens is the same kernel with
+    the same seeds, so that a seeded request samples the same tokens whichever path its batch
+    takes. Taken on CUDA when Triton is installed (``fused=None``); ``fused=True`` also takes it
+    under Triton's interpreter (tests), ``fused=False`` never (the torch path with
+    ``exponential_`` noise, as on CPU).
     """
+
+    def __init__(self, fused: bool | None = None):
+        super().__init__()
+        self.fused = fused
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors,
                 generator: torch.Generator | None = None) -> SamplerOutput:
+        fused = self._fuses(logits)
+        if fused and temperature_only(params):
+            return SamplerOutput(self._sample_fused(logits, params, generator), None)
         raw = logits = logits.float()
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
@@ -160,25 +186,60 @@ class Sampler(nn.Module):
             logits = logits.index_put(params.banned, logits.new_full((), float("-inf")))
         tokens = logits.argmax(-1)
         if params.sampled_rows:
-            tokens = self._sample(logits, tokens, params, generator)
+            tokens = self._sample(logits, tokens, params, generator, fused)
         return SamplerOutput(tokens, self._logprobs(raw, tokens, params))
 
+    def _fuses(self, logits: torch.Tensor) -> bool:
+        if self.fused is None:
+            return use_triton(logits) and not interpreted(logits)
+        return self.fused and use_triton(logits)
+
     @staticmethod
-    def _sample(logits, greedy_tokens, params: SamplingTensors, generator) -> torch.Tensor:
+    def _sample_fused(logits: torch.Tensor, params: SamplingTensors, generator) -> torch.Tensor:
+        rows = logits.size(0)
+        if not params.sampled_rows:
+            return sample_race(logits, None, None)
+        temperatures = params.temperatures
+        if len(params.sampled_rows) < rows:  # greedy rows get temperature 0
+            sampled = set(params.sampled_rows)
+            mask = to_device([row in sampled for row in range(rows)], torch.bool, logits.device)
+            temperatures = temperatures.where(mask, 0.0)
+        return sample_race(logits, temperatures, Sampler._seeds(params, rows, logits.device, generator))
+
+    @staticmethod
+    def _seeds(params: SamplingTensors, rows: int, device, generator) -> torch.Tensor:
+        """int64 ``[rows]`` Philox seeds of one step: one draw of ``generator`` for the batch, and
+        for each sampled row with its own generator one draw of that generator (so its tokens
+        depend on its seed alone)."""
+        seeds = torch.randint(SEED_HIGH, (rows,), generator=generator, device=device)
+        for row in params.sampled_rows:
+            if row in params.generators:
+                gen = params.generators[row]
+                seeds[row] = torch.randint(SEED_HIGH, (), generator=gen, device=gen.device)
+        return seeds
+
+    @staticmethod
+    def _sample(logits, greedy_tokens, params: SamplingTensors, generator, fused: bool) -> torch.Tensor:
         rows = params.sampled_rows
         index = to_device(rows, torch.int64, logits.device)
-        scaled = logits[index] / params.temperatures[index].unsqueeze(1)
+        kept, temperatures = logits[index], params.temperatures[index]
+        scaled = kept / temperatures.unsqueeze(1)
         if params.min_p is not None:
             scaled = apply_min_p(scaled, params.min_p[index])
         if params.top_k is not None:
             scaled = _apply_top_k_top_p(scaled, params.top_k[index], params.top_p[index])
+        tokens = greedy_tokens.clone()
+        if fused:  # the fused path's race over the kept tokens: a row draws what it would draw there
+            kept = kept.masked_fill(scaled == float("-inf"), float("-inf"))
+            seeds = Sampler._seeds(params, logits.size(0), logits.device, generator)[index]
+            tokens[index] = sample_race(kept, temperatures, seeds)
+            return tokens
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for i, row in enumerate(rows):
             if row in params.generators:
                 gen = params.generators[row]
                 noise[i] = torch.empty(probs.size(1), device=gen.device).exponential_(generator=gen)
-        tokens = greedy_tokens.clone()
         tokens[index] = (probs / noise).argmax(-1)
         return tokens
 

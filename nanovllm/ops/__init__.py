@@ -12,6 +12,7 @@ from .decode_merge import decode_attend_merge, decode_attend_merge_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
+from .sample_race import sample_race, sample_race_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
 from .xattn_estimate import xattn_block_scores, xattn_block_scores_ref
 from .xattn_select import block_density, xattn_select_blocks, xattn_select_blocks_ref
@@ -35,6 +36,8 @@ __all__ = [
     "prefill_attention_ref",
     "rms_norm",
     "rms_norm_ref",
+    "sample_race",
+    "sample_race_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "xattn_block_scores",
