@@ -4,7 +4,8 @@ Runs ``tests/test_ruler.py``'s evaluation (:func:`run_ruler`: one greedy ``gener
 of its samples batched, RULER's metric) for every setting in ``--settings`` at every length in
 ``--lengths`` (RULER's sequence lengths: prompt and answer, :data:`ANSWER_ROOM`), and appends to ``--out`` one JSON line per run: the setting, the length, each
 task's mean score, the average over tasks, the sparse densities (``LLM.get_sparse_stats``) and the
-wall time. A run that fails is recorded with its error and the sweep goes on. ``--table`` turns
+wall time of its ``generate`` calls. One engine per setting serves every length (it is sized
+for the longest); a setting that fails is recorded with its error and the sweep goes on. ``--table`` turns
 such lines into the Markdown table of ``docs/sparse.md``.
 
 The samples can be built here and carried to the GPU machine (``--make-samples``), since building
@@ -65,40 +66,55 @@ def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) ->
             for n in lengths}
 
 
-def run_one(model: str, name: str, length: int, samples: dict, num_samples: int) -> dict:
-    """One setting at one length: the JSON line (see the module docstring)."""
-    settings = RulerSettings(tasks=list(samples), num_samples=num_samples, input_len=length - ANSWER_ROOM,
+def _settings(name: str, length: int, tasks: list[str], num_samples: int) -> RulerSettings:
+    settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
                              max_num_seqs=num_samples, **SETTINGS[name])
     settings.validate()
-    t0 = time.perf_counter()
-    llm = LLM(model, **settings.engine_kwargs())
-    try:
-        report = run_ruler(llm, settings, samples)
-    finally:
-        llm.shutdown()
+    return settings
+
+
+def _line(name: str, length: int, report, seconds: float) -> dict:
     stats = report.sparse_stats or {}
-    return {"setting": name, "input_len": length, "num_samples": num_samples,
+    return {"setting": name, "input_len": length, "num_samples": len(report.results[0].scores),
             "overall": round(report.overall, 4), "tasks": {r.task: round(r.mean, 4) for r in report.results},
             "prefill_density": stats.get("prefill", {}).get("density"),
             "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
             "decode_comm_density": stats.get("decode", {}).get("comm_density"),
-            "generate_seconds": round(sum(r.seconds for r in report.results), 1),
-            "seconds": round(time.perf_counter() - t0, 1), "offload": report.offload, "dtype": report.dtype,
+            "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
             "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
+
+
+def run_setting(model: str, name: str, samples: dict, num_samples: int):
+    """One engine for setting ``name``, sized for the longest length; yields the JSON line of
+    each length in turn (see the module docstring)."""
+    longest = max(samples)
+    tasks = list(samples[longest])
+    llm = LLM(model, **_settings(name, longest, tasks, num_samples).engine_kwargs())
+    try:
+        for length in sorted(samples):
+            t0 = time.perf_counter()
+            report = run_ruler(llm, _settings(name, length, tasks, num_samples), samples[length])
+            yield _line(name, length, report, time.perf_counter() - t0)
+    finally:
+        llm.shutdown()
 
 
 def sweep(args) -> None:
     samples = torch.load(args.samples) if args.samples else make_samples(args.model, args.lengths,
                                                                          args.num_samples, args.seed)
+    samples = {n: samples[n] for n in args.lengths}
     for name in args.settings:
-        for length in args.lengths:
-            try:
-                line = run_one(args.model, name, length, samples[length], args.num_samples)
-            except Exception as err:  # record it; the other runs go on
-                line = {"setting": name, "input_len": length, "error": f"{type(err).__name__}: {err}"}
-            with open(args.out, "a") as f:
-                f.write(json.dumps(line) + "\n")
-            print(json.dumps({k: v for k, v in line.items() if k != "outputs"}), flush=True)
+        try:
+            for line in run_setting(args.model, name, samples, args.num_samples):
+                _write(args.out, line)
+        except Exception as err:  # record it; the other settings go on
+            _write(args.out, {"setting": name, "error": f"{type(err).__name__}: {err}"})
+
+
+def _write(path: str, line: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    print(json.dumps({k: v for k, v in line.items() if k != "outputs"}), flush=True)
 
 
 def table(path: str) -> str:
@@ -117,7 +133,7 @@ def table(path: str) -> str:
                  f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x["decode_comm_density"]),
                  f"{x['generate_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
-    rows += [f"\nfailed: {x['setting']} at {x['input_len']}: {x['error']}" for x in lines if "error" in x]
+    rows += [f"\nfailed: {x['setting']}: {x['error']}" for x in lines if "error" in x]
     return "\n".join(rows)
 
 
