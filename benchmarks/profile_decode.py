@@ -1,0 +1,105 @@
+"""Where a decode step of bench.py's workload spends its time (issue 16): host phases and GPU
+kernels by category. Prints one JSON document.
+
+The engine of ``bench.py`` (random Qwen3-0.6B shape, 256 sequences) gets every request, steps
+until every prefill is done, then times ``--steps`` decode steps, each host phase measured with
+``time.perf_counter`` around the engine's methods (schedule, input preparation, graph launch,
+sampler launch, the wait for the step's tokens, postprocess), and profiles 10 more with the torch
+profiler (CUDA kernels, also those inside CUDA graphs), summed by category.
+
+    python -m benchmarks.profile_decode --mode sync     # or async, eager
+"""
+import argparse
+import collections
+import json
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench import workload
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import sampling_batch
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+
+CATEGORIES = (("decode_attention", ("decode",)), ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "cublas")),
+              ("sampling", ("sample_race", "softmax", "argmax", "distribution", "gather")),
+              ("rmsnorm", ("rms",)), ("rope", ("rotary",)), ("kv_store", ("store_kv",)),
+              ("silu_and_mul", ("silu",)), ("copies", ("memcpy", "memset")))
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def timed_phases(llm, totals: dict) -> None:
+    """Wrap the engine's step phases so that each adds its host seconds to ``totals``."""
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t
+        return timed
+
+    runner, scheduler = llm.model_runner, llm.scheduler
+    scheduler.schedule = wrap("schedule", scheduler.schedule)
+    scheduler.postprocess = wrap("postprocess", scheduler.postprocess)
+    runner.cache.prepare = wrap("prepare_inputs", runner.cache.prepare)
+    runner.run_model = wrap("launch_model", runner.run_model)
+    runner.step_sampler = wrap("launch_sampler", runner.step_sampler)
+    sampling_batch.SampledStep.output = wrap("wait_for_tokens", sampling_batch.SampledStep.output)
+
+
+def kernel_ms(llm, steps: int) -> dict:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    by_cat, by_name = collections.defaultdict(float), collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_cat[category(event.name)] += event.device_time_total / 1e3 / steps
+            by_name[event.name[:80]] += event.device_time_total / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    return {"gpu_ms_per_step": round(sum(by_cat.values()), 3),
+            "gpu_ms_by_category": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": {k: round(v, 4) for k, v in top}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("sync", "async", "eager"), default="async")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
+    model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
+    llm = LLM(model, max_model_len=4096, enforce_eager=args.mode == "eager", async_scheduling=args.mode == "async")
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    for prompt, params in zip(*workload(256, 1024, 1024)):
+        llm.add_request(prompt, params)
+    while llm.step()[1] >= 0:  # prefill steps, up to the first decode step
+        pass
+    for _ in range(10):
+        llm.step()
+    torch.cuda.synchronize()
+    totals = collections.defaultdict(float)
+    timed_phases(llm, totals)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        llm.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    result = {"mode": args.mode, "batch": len(llm.scheduler.running), "steps": args.steps,
+              "wall_ms_per_step": round(wall / args.steps * 1e3, 3),
+              "host_ms_per_step": {k: round(v / args.steps * 1e3, 3) for k, v in totals.items()},
+              **kernel_ms(llm, 10)}
+    llm.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
