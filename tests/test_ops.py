@@ -342,7 +342,8 @@ def test_rms_norm_cpu_equals_reference_bit_for_bit():
 def test_silu_and_mul_cpu_is_the_torch_form(dtype):
     """CPU keeps torch's two ops (silu rounded to the dtype, then the product): equal to the
     reference for float32; otherwise each of the two roundings adds up to u (unit roundoff, 2**-8
-    for bfloat16, 2**-11 for float16) against the reference's one, so they differ by <= 3u relative."""
+    for bfloat16, 2**-11 for float16) against the reference's one, so they differ by 3u relative
+    (plus second-order terms; 4u allowed)."""
     x = (torch.randn(6, 2 * 40) * 3).to(dtype)
     gate, up = x.chunk(2, -1)
     out = silu_and_mul(x)
