@@ -5,7 +5,7 @@ and, for a parameter not in ``do_not_specialize``, whether an int is 1 or a mult
 whether a tensor is 16-byte aligned, plus the launch options (num_warps, num_stages). On a fresh
 cache each new key costs a compile (1-3 s for the XAttention kernels on the H200).
 
-- The workloads make the ops calls that the XATTN_BSA prefill, every layer's prefill (RMSNorm, RoPE, KV store) and the decode paths make for one length, on a device of
+- The workloads make the ops calls that the XATTN_BSA prefill, every layer's prefill (RMSNorm, RoPE, KV store, SwiGLU) and the decode paths make for one length, on a device of
   choice.
 - :data:`WORKLOADS` gives each the most keys a kernel may need over any set of lengths within one
   octave of :func:`nanovllm.ops._triton.row_tile` (up to 16K tokens at 128-token blocks): one per
@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
-                          merge_attention_outputs, rms_norm, store_kvcache)
+                          merge_attention_outputs, rms_norm, silu_and_mul, store_kvcache)
 from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
     "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "rmsnorm",
-    "rotary", "store_kv", "xattn_estimate", "xattn_select", "xattn_mask"))
+    "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_select", "xattn_mask"))
 
 PROMPT_LENGTHS = (1500, 1517, 1536, 1561, 1600, 1633, 1664, 1701, 1750, 1791, 1856, 1907)
 """12 distinct prompt lengths in 1.5-2K tokens (issue 14's compile storm), multiples of 1, 8 and 16."""
@@ -84,9 +84,10 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
     merge_attention_outputs(o, lse_rows, o, lse_rows)
 
 
-def layer_steps(n: int, device, heads=SMOLLM2_HEADS, hidden: int = 576, kv_block: int = 256) -> None:
+def layer_steps(n: int, device, heads=SMOLLM2_HEADS, hidden: int = 576, intermediate: int = 1536,
+                kv_block: int = 256) -> None:
     """The per-layer kernels of any prefill of n tokens: residual RMSNorm, RoPE on q/k views of the
-    packed projection, and the KV store into the paged cache."""
+    packed projection, the KV store into the paged cache, and the MLP's SwiGLU."""
     heads_q, heads_kv, dim = heads
     x = torch.zeros(n, hidden, device=device, dtype=torch.bfloat16)
     rms_norm(x, torch.ones(hidden, device=device, dtype=torch.bfloat16), 1e-5, x)
@@ -96,6 +97,7 @@ def layer_steps(n: int, device, heads=SMOLLM2_HEADS, hidden: int = 576, kv_block
     apply_rotary(positions, q, k, torch.zeros(2, 8192, dim // 2, device=device))
     cache = torch.zeros(-(-n // kv_block), kv_block, heads_kv, dim, device=device, dtype=torch.bfloat16)
     store_kvcache(k, v, cache, cache, positions)
+    silu_and_mul(torch.zeros(n, 2 * intermediate, device=device, dtype=torch.bfloat16))
 
 
 def kernels() -> dict:
@@ -154,7 +156,8 @@ WORKLOADS = {
         "xattn_select._select_kernel": 1, "block_lists._kept_block_lists_kernel": 1,
         "block_sparse_attention._bsa_kernel": 1}),
     "layer_steps": (layer_steps, {
-        "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1}),
+        "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1,
+        "silu_and_mul._silu_and_mul_kernel": 1}),
     "decode_steps": (decode_steps, {
         # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not
         "decode_attention._decode_split_kernel": 2, "decode_attention._decode_reduce_kernel": 1,

@@ -29,6 +29,8 @@ from nanovllm.ops import (
     prefill_attention_ref,
     rms_norm,
     rms_norm_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
     store_kvcache,
     store_kvcache_ref,
 )
@@ -270,6 +272,14 @@ def test_rms_norm_ref_matches_float64_math_and_adds_the_residual():
     assert_close(rms_norm_ref(heads, w, 1e-6), rms_norm_ref(heads.reshape(12, 64), w, 1e-6).reshape(3, 4, 64), 0)
 
 
+def test_silu_and_mul_ref_matches_float64_math_rounded_once():
+    x = torch.randn(5, 2 * 48, dtype=torch.float64) * 4
+    want = x[:, :48] / (1 + torch.exp(-x[:, :48])) * x[:, 48:]
+    assert_close(silu_and_mul_ref(x.float()), want.float(), 1e-6)
+    half = silu_and_mul_ref(x.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, silu_and_mul_ref(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
 def test_apply_rotary_ref_is_a_rotation_by_position_times_frequency():
     dim, positions = 8, torch.tensor([0, 3, 7])
     inv_freq = 1.0 / (100 ** (torch.arange(0, dim, 2).float() / dim))
@@ -325,6 +335,27 @@ def test_rms_norm_cpu_equals_reference_bit_for_bit():
     assert out.is_contiguous() and torch.equal(out, rms_norm_ref(q, w[:32], 1e-6))
     xb, wb = torch.randn(4, 96).bfloat16(), w.bfloat16()
     assert torch.equal(rms_norm(xb, wb, 1e-6), rms_norm_ref(xb, wb, 1e-6))
+
+
+@eager_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_cpu_is_the_torch_form(dtype):
+    """CPU keeps torch's two ops (silu rounded to the dtype, then the product): equal to the
+    reference for float32; otherwise each of the two roundings adds up to u (unit roundoff, 2**-8
+    for bfloat16, 2**-11 for float16) against the reference's one, so they differ by 3u relative
+    (plus second-order terms; 4u allowed)."""
+    x = (torch.randn(6, 2 * 40) * 3).to(dtype)
+    gate, up = x.chunk(2, -1)
+    out = silu_and_mul(x)
+    assert out.shape == (6, 40) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+    ref = silu_and_mul_ref(x)
+    if dtype == torch.float32:
+        assert torch.equal(out, ref)
+    u = torch.finfo(dtype).eps / 2
+    assert ((out.float() - ref.float()).abs() <= 4 * u * ref.float().abs() + 1e-6).all()
+    with pytest.raises(ValueError, match=r"expected x \[T, 2 \* d\].*\(3, 5\)"):
+        silu_and_mul(torch.randn(3, 5))
 
 
 @eager_only
@@ -635,7 +666,21 @@ def test_interpreted_apply_rotary_matches_reference(dtype):
         assert_close(a, b, 1e-6 if dtype == torch.float32 else 1e-3)
 
 
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,d", [(1, 40), (5, 1100), (0, 64)])
+def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
+    """One rounding of float32 math, as the reference, to within one unit in the last place (the
+    exp may differ by a float32 ulp); the 1,100 columns take a second, partly masked 1,024-column
+    tile; rows of a wider strided buffer read in place."""
+    packed = (torch.randn(tokens, 2 * d + 24) * 3).to(dtype)
+    x = packed[:, 8:8 + 2 * d]
+    out = silu_and_mul(x)
+    assert out.shape == (tokens, d) and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, silu_and_mul_ref(x), {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype])
+
+
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=27)
+    run_interpreted_tests(__file__, min_passed=36)

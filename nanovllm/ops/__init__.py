@@ -1,4 +1,4 @@
-"""Attention kernels and their torch references (see docs/ops.md for the contract)."""
+"""Triton kernels and their torch references (see docs/ops.md for the contract)."""
 
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_ref
 from .chunked_attention import (
@@ -13,6 +13,7 @@ from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
 from .sample_race import sample_race, sample_race_ref
+from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
 from .xattn_estimate import xattn_block_scores, xattn_block_scores_ref
 from .xattn_select import block_density, xattn_select_blocks, xattn_select_blocks_ref
@@ -38,6 +39,8 @@ __all__ = [
     "rms_norm_ref",
     "sample_race",
     "sample_race_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "xattn_block_scores",

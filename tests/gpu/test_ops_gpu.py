@@ -23,6 +23,8 @@ from nanovllm.ops import (
     prefill_attention_ref,
     rms_norm,
     rms_norm_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
     store_kvcache,
     store_kvcache_ref,
 )
@@ -233,6 +235,48 @@ def test_apply_rotary_matches_reference(dtype):
     positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
     for got, ref in zip(apply_rotary(positions, q, k, cache), apply_rotary_ref(positions, q, k, cache)):
         assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,d", [(1, 3072), (256, 3072), (37, 1536), (5, 1100), (0, 3072)])
+def _silu_tolerance(dtype):
+    """Relative bound of the kernel vs :func:`silu_and_mul_ref`: one unit in the last place (2u,
+    u the unit roundoff) for bfloat16/float16; for float32 the GPU's approximate exp2 and division
+    (a few float32 ulps, times |gate| <= 20 through exp's argument)."""
+    return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,d", [(1, 3072), (256, 3072), (37, 1536), (5, 1100), (0, 3072)])
+def test_silu_and_mul_matches_reference(dtype, tokens, d):
+    """The fused kernel rounds float32 math once, as the reference. Against the old torch form
+    (silu rounded, then the product rounded) it differs by 3u relative (u = 2**-8 bfloat16,
+    2**-11 float16; plus second-order terms, 4u allowed). Rows of a strided buffer (the gate/up
+    part of a wider projection) are read in place."""
+    packed = torch.randn(tokens, 2 * d + 64, device=DEVICE).mul_(3).to(dtype)
+    x = packed[:, 64:]
+    out = silu_and_mul(x)
+    assert out.is_contiguous() and out.shape == (tokens, d) and out.dtype == dtype
+    ref = silu_and_mul_ref(x).float()
+    assert ((out.float() - ref).abs() <= _silu_tolerance(dtype) * ref.abs() + 1e-6).all()
+    gate, up = x.chunk(2, -1)
+    old = (torch.nn.functional.silu(gate) * up).float()
+    u = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps / 2
+    assert ((out.float() - old).abs() <= (4 * u + 1e-5) * ref.abs() + 1e-6).all()
+
+
+def test_silu_and_mul_cuda_graph_replay():
+    """Captured once, replayed on new inputs in the same buffer (the decode graph's use)."""
+    x = torch.randn(64, 2 * 3072, device=DEVICE, dtype=torch.bfloat16)
+    silu_and_mul(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = silu_and_mul(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = silu_and_mul_ref(x).float()
+    assert ((out.float() - ref).abs() <= _silu_tolerance(torch.bfloat16) * ref.abs() + 1e-6).all()
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
