@@ -91,7 +91,7 @@ def run_setting(model: str, name: str, samples: dict, num_samples: int):
     tasks = list(samples[longest])
     llm = LLM(model, **_settings(name, longest, tasks, num_samples).engine_kwargs())
     try:
-        for length in sorted(samples):
+        for length in sorted(samples, reverse=True):  # the longest first: the one that matters most
             t0 = time.perf_counter()
             report = run_ruler(llm, _settings(name, length, tasks, num_samples), samples[length])
             yield _line(name, length, report, time.perf_counter() - t0)
