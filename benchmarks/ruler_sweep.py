@@ -19,7 +19,8 @@ them takes ~10 s per 32K length on one core::
 
 Settings (:data:`SETTINGS`): FULL without the host tier; FULL with the host tier holding all but
 each sequence's first block and the block it writes (``EngineSettings``: 2 GPU blocks per
-sequence), with 2 or 4 ring slots; QUEST over the host tier (its decode density is the share of
+sequence), with 2 or 4 ring slots and 8 blocks per sequence (so the host tier holds 6 of 8);
+QUEST over the host tier, 32 blocks per sequence (its decode density is the share of
 host blocks read); XATTN_BSA without the host tier (its density is the share of causal blocks
 computed in prefill).
 """
@@ -41,16 +42,20 @@ from nanovllm.utils import ruler  # noqa: E402
 
 SETTINGS = {
     "full-gpu": {},
-    "full-host-2": dict(enable_offload=True, num_ring_slots=2),
-    "full-host-4": dict(enable_offload=True, num_ring_slots=4),
-    "quest-b1024-k4": dict(enable_offload=True, num_ring_slots=4, sparse_policy="QUEST", sparse_topk_blocks=4),
-    "quest-b1024-k8": dict(enable_offload=True, num_ring_slots=4, sparse_policy="QUEST", sparse_topk_blocks=8),
-    "quest-b512-k8": dict(enable_offload=True, num_ring_slots=4, block_size=512, sparse_policy="QUEST",
-                          sparse_topk_blocks=8),
+    "full-host-2": dict(enable_offload=True, num_ring_slots=2, blocks=8),
+    "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=8),
+    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=32, sparse_policy="QUEST", sparse_topk_blocks=4),
+    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=32, sparse_policy="QUEST", sparse_topk_blocks=8),
     "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
     "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
+    "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),
 }
-"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples)."""
+"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples). ``blocks``: KV
+blocks per sequence of the host-tier settings, so that the block size grows with the length
+(:func:`block_size`): decode over the host tier costs some host time per block, sequence and
+layer, so with a fixed 1,024-token block a small model's 32K decode is host-bound (12 MiB blocks
+for Qwen2.5-0.5B, 32 per sequence and layer; docs/sparse.md). QUEST's top-k
+counts those blocks: k 4 of 32 reads (4 + 3) / 32 = 22% of them."""
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
 answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
@@ -66,9 +71,17 @@ def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) ->
             for n in lengths}
 
 
-def _settings(name: str, length: int, tasks: list[str], num_samples: int) -> RulerSettings:
+def block_size(name: str, length: int) -> int:
+    """KV block tokens of setting ``name`` at ``length``: ``length / blocks`` rounded down to a
+    multiple of 256 (at least 256); 1024 (the evaluation default) for settings without ``blocks``."""
+    blocks = SETTINGS[name].get("blocks")
+    return 1024 if blocks is None else max(256, length // blocks // 256 * 256)
+
+
+def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
+    fields = {k: v for k, v in SETTINGS[name].items() if k != "blocks"}
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
-                             max_num_seqs=num_samples, **SETTINGS[name])
+                             max_num_seqs=num_samples, block_size=block, **fields)
     settings.validate()
     return settings
 
@@ -81,22 +94,26 @@ def _line(name: str, length: int, report, seconds: float) -> dict:
             "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
             "decode_comm_density": stats.get("decode", {}).get("comm_density"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
+            "block_size": report.settings["block_size"],
             "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
 
 
 def run_setting(model: str, name: str, samples: dict, num_samples: int):
-    """One engine for setting ``name``, sized for the longest length; yields the JSON line of
-    each length in turn (see the module docstring)."""
-    longest = max(samples)
-    tasks = list(samples[longest])
-    llm = LLM(model, **_settings(name, longest, tasks, num_samples).engine_kwargs())
-    try:
-        for length in sorted(samples, reverse=True):  # the longest first: the one that matters most
-            t0 = time.perf_counter()
-            report = run_ruler(llm, _settings(name, length, tasks, num_samples), samples[length])
-            yield _line(name, length, report, time.perf_counter() - t0)
-    finally:
-        llm.shutdown()
+    """Setting ``name`` at every length, the longest first; one engine per block size (so one for
+    the settings without ``blocks``), sized for its longest length. Yields the JSON line of each
+    length in turn (see the module docstring)."""
+    lengths = sorted(samples, reverse=True)  # the longest first: the one that matters most
+    tasks = list(samples[lengths[0]])
+    for block in dict.fromkeys(block_size(name, n) for n in lengths):
+        group = [n for n in lengths if block_size(name, n) == block]
+        llm = LLM(model, **_settings(name, group[0], tasks, num_samples, block).engine_kwargs())
+        try:
+            for length in group:
+                t0 = time.perf_counter()
+                report = run_ruler(llm, _settings(name, length, tasks, num_samples, block), samples[length])
+                yield _line(name, length, report, time.perf_counter() - t0)
+        finally:
+            llm.shutdown()
 
 
 def sweep(args) -> None:
