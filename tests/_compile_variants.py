@@ -31,7 +31,8 @@ from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
     "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "rmsnorm",
-    "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_select", "xattn_mask"))
+    "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_estimate_triton", "xattn_select",
+    "xattn_mask"))
 
 PROMPT_LENGTHS = (1500, 1517, 1536, 1561, 1600, 1633, 1664, 1701, 1750, 1791, 1856, 1907)
 """12 distinct prompt lengths in 1.5-2K tokens (issue 14's compile storm), multiples of 1, 8 and 16."""
@@ -152,7 +153,8 @@ def varying(name: str, keys: set) -> dict:
 
 WORKLOADS = {
     "xattn_prefill": (xattn_prefill, {
-        "xattn_estimate._xattn_partials_kernel": LOAD_PATHS, "xattn_estimate._xattn_combine_kernel": 1,
+        "xattn_estimate_triton._xattn_partials_kernel": LOAD_PATHS,
+        "xattn_estimate_triton._xattn_combine_kernel": 1,
         "xattn_select._select_kernel": 1, "block_lists._kept_block_lists_kernel": 1,
         "block_sparse_attention._bsa_kernel": 1}),
     "layer_steps": (layer_steps, {

@@ -60,7 +60,7 @@ def test_pass_a_variants_are_the_two_load_paths(monkeypatch):
     """The one kernel with two variants in GPU-only prefill has exactly two, and they differ only in
     how q and k are loaded (TMA descriptors when both lengths are multiples of the stride, else
     pointers)."""
-    name = "xattn_estimate._xattn_partials_kernel"
+    name = "xattn_estimate_triton._xattn_partials_kernel"
     with recorded_keys(monkeypatch) as keys:
         for n in PROMPT_LENGTHS:
             xattn_prefill(n, "cpu")

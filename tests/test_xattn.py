@@ -1,6 +1,7 @@
-"""CPU tests of XAttention estimation/selection (nanovllm.ops.xattn_estimate) and block-sparse
-attention (nanovllm.ops.block_sparse_attention): references against plain float64 math,
-selection properties, and the Triton kernels on CPU tensors under Triton's interpreter.
+"""CPU tests of XAttention estimation (nanovllm.ops.xattn_estimate, kernels in
+nanovllm.ops.xattn_estimate_triton), selection and block-sparse attention
+(nanovllm.ops.block_sparse_attention): references against plain float64 math, selection
+properties, and the Triton kernels on CPU tensors under Triton's interpreter.
 
 As in tests/test_ops.py, the ``test_interpreted_*`` tests run in a child pytest started by
 ``test_triton_kernels_under_interpreter`` with TRITON_INTERPRET=1 and NANOVLLM_TRITON_INTERPRET=1;
@@ -23,7 +24,7 @@ from nanovllm.ops.xattn_estimate import xattn_block_scores, xattn_block_scores_r
 from nanovllm.ops.xattn_select import block_density, block_layout, xattn_select_blocks, xattn_select_blocks_ref
 
 bsa = importlib.import_module("nanovllm.ops.block_sparse_attention")  # the module (ops exports the function)
-xe = importlib.import_module("nanovllm.ops.xattn_estimate")
+xet = importlib.import_module("nanovllm.ops.xattn_estimate_triton")
 
 NEG_INF = float("-inf")
 
@@ -473,10 +474,10 @@ def test_interpreted_block_scores_tma_and_pointer_paths(monkeypatch, seq_q, seq_
     and both equal the reference."""
     qkv = torch.randn(max(seq_q, seq_k), 12, 64)
     q, k = qkv[-seq_q:, :8], qkv[:seq_k, 8:10]
-    config = xe._partials_config(q, 8, 64, causal)
-    assert all(d is not None for d in xe._strided_descriptors(q, k, 8, config))
+    config = xet._partials_config(q, 8, 64, causal)
+    assert all(d is not None for d in xet._strided_descriptors(q, k, 8, config))
     tma = xattn_block_scores(q, k, 8, 64, causal=causal)
-    monkeypatch.setattr(xe, "_strided_descriptors", lambda *args: (None, None))
+    monkeypatch.setattr(xet, "_strided_descriptors", lambda *args: (None, None))
     pointers = xattn_block_scores(q, k, 8, 64, causal=causal)
     assert_close(tma, pointers, 1e-6)
     assert_close(tma, xattn_block_scores_ref(q.contiguous(), k.contiguous(), 8, 64, causal=causal), 1e-4)
@@ -489,7 +490,7 @@ def test_interpreted_head_major_and_numpy_arguments():
     np = pytest.importorskip("numpy")
     q = torch.randn(4, 256, 64).transpose(0, 1)
     k = torch.randn(2, 256, 64).transpose(0, 1)
-    assert xe._strided_descriptors(q, k, 8, xe._partials_config(q, 8, 64, True)) == (None, None)
+    assert xet._strided_descriptors(q, k, 8, xet._partials_config(q, 8, 64, True)) == (None, None)
     ref = xattn_block_scores_ref(q.contiguous(), k.contiguous(), 8, 64)
     assert_close(xattn_block_scores(q, k, np.int64(8), np.int64(64)), ref, 1e-4)
     v = torch.randn(256, 2, 64)
@@ -517,15 +518,15 @@ def test_strided_descriptor_rules():
     """TMA only where the strided view stays inside the tensors and a bulk copy is valid."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     q, k = torch.randn(256, 4, 64), torch.randn(256, 2, 64)
-    config = xe._partials_config(q, 8, 128, True)
-    assert all(d is not None for d in xe._strided_descriptors(q, k, 8, config))
-    assert xe._strided_descriptors(q[:250], k, 8, config) == (None, None)  # Sq not a multiple of S
-    assert xe._strided_descriptors(q, k[:251], 8, config) == (None, None)
+    config = xet._partials_config(q, 8, 128, True)
+    assert all(d is not None for d in xet._strided_descriptors(q, k, 8, config))
+    assert xet._strided_descriptors(q[:250], k, 8, config) == (None, None)  # Sq not a multiple of S
+    assert xet._strided_descriptors(q, k[:251], 8, config) == (None, None)
     odd = torch.randn(256, 4, 80)
-    assert xe._strided_descriptors(odd, odd[:, :2], 8, xe._partials_config(odd, 8, 128, True)) == (None, None)
+    assert xet._strided_descriptors(odd, odd[:, :2], 8, xet._partials_config(odd, 8, 128, True)) == (None, None)
     head_major = torch.randn(2, 256, 64).transpose(0, 1)
-    assert xe._strided_descriptors(q, head_major, 8, config) == (None, None)
-    assert xe._strided_descriptors(q, torch.randn(1, 2, 64).expand(256, 2, 64), 8, config) == (None, None)
+    assert xet._strided_descriptors(q, head_major, 8, config) == (None, None)
+    assert xet._strided_descriptors(q, torch.randn(1, 2, 64).expand(256, 2, 64), 8, config) == (None, None)
 
 
 @interpreted_only
