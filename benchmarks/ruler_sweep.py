@@ -1,28 +1,24 @@
-"""RULER over prompt lengths and engine settings (issue 14's table): one JSON line per (setting, length).
+"""RULER over sequence lengths and engine settings: one JSON line per (setting, length).
 
-Runs ``tests/test_ruler.py``'s evaluation (:func:`run_ruler`: one greedy ``generate`` per task, all
-of its samples batched, RULER's metric) for every setting in ``--settings`` at every length in
-``--lengths`` (RULER's sequence lengths: prompt and answer, :data:`ANSWER_ROOM`), and appends to ``--out`` one JSON line per run: the setting, the length, each
-task's mean score, the average over tasks, the sparse densities (``LLM.get_sparse_stats``) and the
-wall time of its ``generate`` calls. One engine per setting serves every length (it is sized
-for the longest); a setting that fails is recorded with its error and the sweep goes on. ``--table`` turns
-such lines into the Markdown table of ``docs/sparse.md``.
+For every setting (--settings) at every length (--lengths: RULER's sequence length, prompt plus
+answer; prompts have LENGTH - 128 tokens), the evaluation of tests/test_ruler.py runs: one greedy
+generate per task with all of its samples batched, scored with RULER's metric. Each (setting,
+length) appends one JSON line to --out: every task's mean score, the average over tasks, the
+sparse densities (LLM.get_sparse_stats) and the generate time. A setting that fails is recorded
+with its error and the sweep goes on; --table prints the lines as a Markdown table.
 
-The samples can be built here and carried to the GPU machine (``--make-samples``), since building
-them takes ~10 s per 32K length on one core::
+Settings: full-gpu (FULL, no host tier); full-host-2 / full-host-4 (FULL with the host tier
+holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, 8 blocks
+per sequence); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4 or
+8); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that threshold, no host tier).
 
-    python -m benchmarks.ruler_sweep --make-samples .devrun/ruler_samples.pt --model DIR \\
-        --lengths 4096,8192,16384,32768 --num-samples 10
-    python -m benchmarks.ruler_sweep --samples .devrun/ruler_samples.pt --model DIR \\
-        --settings full-gpu,xattn-0.9 --out $OUT/ruler.jsonl
+Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
+(e.g. to carry them to a GPU machine):
+
+    python -m benchmarks.ruler_sweep --make-samples samples.pt --model DIR --lengths 4096,32768
+    python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 4096,32768 \\
+        --settings full-gpu,xattn-0.9 --out ruler.jsonl
     python -m benchmarks.ruler_sweep --table ruler.jsonl
-
-Settings (:data:`SETTINGS`): FULL without the host tier; FULL with the host tier holding all but
-each sequence's first block and the block it writes (``EngineSettings``: 2 GPU blocks per
-sequence), with 2 or 4 ring slots and 8 blocks per sequence (so the host tier holds 6 of 8);
-QUEST over the host tier, 32 blocks per sequence (its decode density is the share of
-host blocks read); XATTN_BSA without the host tier (its density is the share of causal blocks
-computed in prefill).
 """
 from __future__ import annotations
 
@@ -163,24 +159,27 @@ def _names(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="the model directory")
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
-    p.add_argument("--num-samples", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--settings", type=_names, default=list(SETTINGS))
-    p.add_argument("--samples", help="samples made by --make-samples (default: build them)")
-    p.add_argument("--make-samples", metavar="PATH", help="only build the samples and save them")
-    p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ruler_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="the model directory (its tokenizer builds the samples)")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768],
+                   help="comma-separated sequence lengths (default 4096,8192,16384,32768)")
+    p.add_argument("--num-samples", type=int, default=10, help="samples per task and length (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
+    p.add_argument("--settings", type=_names, default=list(SETTINGS),
+                   help=f"comma-separated settings (default all: {','.join(SETTINGS)})")
+    p.add_argument("--samples", help="samples saved by --make-samples (default: build them)")
+    p.add_argument("--make-samples", metavar="PATH", help="only build the samples (all 12 tasks) and save them")
+    p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here (default ruler_sweep.jsonl)")
     p.add_argument("--table", metavar="JSONL", help="only print the Markdown table of a sweep's lines")
     args = p.parse_args(argv)
     if args.table:
         print(table(args.table))
+    elif not args.model:
+        p.error("--model is required")
     elif args.make_samples:
         torch.save(make_samples(args.model, args.lengths, args.num_samples, args.seed), args.make_samples)
     else:
-        if not args.model:
-            p.error("--model is required")
         sweep(args)
 
 

@@ -227,7 +227,9 @@ class Config:
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and not blockers
             return
-        check_bool("async_scheduling", self.async_scheduling)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None (on where supported), True or False, "
+                             f"got {self.async_scheduling!r}")
         if self.async_scheduling and blockers:
             raise ValueError(f"async_scheduling=True does not support {', '.join(blockers)}; "
                              f"use async_scheduling=False or None")

@@ -96,7 +96,7 @@ def test_default_is_on_where_supported_and_true_is_checked(qwen3_dir):
     with pytest.raises(ValueError, match="enable_cpu_offload=True"):
         build_llm(qwen3_dir, async_scheduling=True, enable_cpu_offload=True)
     for bad in ("yes", 1):
-        with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        with pytest.raises(ValueError, match=r"async_scheduling must be None \(on where supported\), True or False"):
             build_llm(qwen3_dir, async_scheduling=bad)
 
 

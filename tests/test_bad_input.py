@@ -32,9 +32,9 @@ def clean_outputs(qwen3_dir, good_prompts):
 # ---- prompts -----------------------------------------------------------------------------
 
 def test_prompt_longer_than_max_model_len(llm):
-    with pytest.raises(ValueError, match=r"prompt has 1025 tokens, more than max_model_len=1024"):
+    with pytest.raises(ValueError, match=r"^prompts\[0\] has 1025 tokens, more than max_model_len=1024"):
         llm.generate([random_prompt(MAX_MODEL_LEN + 1, seed=1)], greedy(1), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"1025 tokens.*max_model_len=1024"):
+    with pytest.raises(ValueError, match=r"^prompt has 1025 tokens.*max_model_len=1024"):
         llm.add_request(random_prompt(MAX_MODEL_LEN + 1, seed=1), greedy(1))
     assert llm.is_finished()
 
@@ -43,7 +43,7 @@ def test_long_text_prompt_is_not_truncated(llm):
     text = "akpy qudfpgs yvgdpmigu " * 400  # far more than 1024 tokens
     n = len(llm.tokenizer.encode(text))
     assert n > MAX_MODEL_LEN
-    with pytest.raises(ValueError, match=rf"prompt has {n} tokens, more than max_model_len=1024"):
+    with pytest.raises(ValueError, match=rf"prompts\[0\] has {n} tokens, more than max_model_len=1024"):
         llm.generate(text, greedy(1), use_tqdm=False)
 
 
@@ -55,7 +55,7 @@ def test_prompt_of_exactly_max_model_len(llm):
 
 @pytest.mark.parametrize("prompt", ["", []], ids=["empty-string", "empty-list"])
 def test_empty_prompt(llm, prompt):
-    with pytest.raises(ValueError, match=r"prompt is empty \(0 tokens\); at least 1 token"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty \(0 tokens\); at least 1 token"):
         llm.generate([prompt], greedy(1), use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompt is empty"):
         llm.add_request(prompt, greedy(1))
@@ -63,7 +63,7 @@ def test_empty_prompt(llm, prompt):
 
 
 def test_empty_string_as_single_prompt(llm):
-    with pytest.raises(ValueError, match=r"prompt is empty"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty"):
         llm.generate("", greedy(1), use_tqdm=False)
 
 
@@ -80,9 +80,9 @@ def test_prompt_of_the_wrong_type(llm, prompt):
 def test_token_id_outside_vocab(llm, bad_id):
     prompt = [5, 6, bad_id, 7]
     pattern = rf"token id {bad_id} is outside the vocabulary \[0, {VOCAB_SIZE}\)"
-    with pytest.raises(ValueError, match=pattern):
-        llm.generate([prompt], greedy(1), use_tqdm=False)
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: " + pattern):
+        llm.generate([[5, 6], prompt], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt: " + pattern):
         llm.add_request(prompt, greedy(1))
     assert llm.is_finished()
 
@@ -219,7 +219,7 @@ def test_bad_request_mid_flight(llm, good_prompts, clean_outputs):
 
 def test_generate_after_a_failed_generate(llm, good_prompts, clean_outputs):
     bad_batch = good_prompts[:2] + [[]]
-    with pytest.raises(ValueError, match=r"prompt is empty"):
+    with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):
         llm.generate(bad_batch, greedy(12), use_tqdm=False)
     assert llm.is_finished()  # nothing of the failed batch was queued
     out = llm.generate(good_prompts, greedy(12), use_tqdm=False)

@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF model directory (default: SmolLM2-135M-Instruct via nanovllm.fetch)")
     p.add_argument("--tasks", type=_parse_tasks, default=list(ruler.TASKS),
-                   help=f"'all' (default) or a comma-separated subset of {','.join(ruler.TASKS)}")
+                   help=f"'all' (default) or a comma-separated subset of {','.join(ruler.TASKS)}; "
+                        f"RULER's names are accepted too and reported as ours: "
+                        f"{', '.join(f'{a}={t}' for a, t in ruler.TASK_ALIASES.items())}")
     p.add_argument("--num-samples", type=int, default=5, help="samples per task (default 5)")
     p.add_argument("--input-len", type=int, default=4096, help="prompt length in tokens (default 4096)")
     p.add_argument("--max-new-tokens", type=int, default=None,

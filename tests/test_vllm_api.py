@@ -573,6 +573,22 @@ def test_chat_message_without_role_or_content(llm, messages, shown):
     assert llm.chat([{"role": "user", "content": "a"}], greedy(2), chat_template=TEMPLATE, use_tqdm=False)[0].finished
 
 
+def test_chat_template_kwargs_reach_the_template(llm):
+    """vLLM's ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) are template variables."""
+    template = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    conversation = [{"role": "user", "content": "akpy"}]
+    plain = llm.chat(conversation, greedy(2), chat_template=template, use_tqdm=False)[0]
+    off = llm.chat(conversation, greedy(2), chat_template=template, use_tqdm=False,
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert off.prompt == plain.prompt + "<no-think>"
+    for bad, shown in (([("enable_thinking", False)], "must be a dict with string keys"),
+                       ({1: True}, "must be a dict with string keys"),
+                       ({"add_generation_prompt": False}, r"cannot set \['add_generation_prompt'\]")):
+        with pytest.raises(ValueError, match=shown):
+            llm.chat(conversation, greedy(2), chat_template=template, use_tqdm=False, chat_template_kwargs=bad)
+    assert llm.is_finished()
+
+
 def test_chat_without_a_template(llm):
     with pytest.raises(ValueError, match=r"chat_template"):
         llm.chat([{"role": "user", "content": "a"}], greedy(2), use_tqdm=False)

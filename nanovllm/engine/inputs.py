@@ -87,3 +87,25 @@ def parse_conversations(messages) -> list[list[dict]]:
                     raise ValueError(f"messages: conversation {c}, message {m} needs a string {key!r}, "
                                      f"got {message!r:.80}")
     return [list(c) for c in conversations]
+
+
+CHAT_ARGUMENTS = ("conversation", "chat_template", "tokenize", "add_generation_prompt")
+"""``apply_chat_template`` arguments that ``chat`` sets itself."""
+
+
+def template_kwargs(chat_template_kwargs) -> dict:
+    """``chat``'s ``chat_template_kwargs`` (None or a dict of extra chat-template variables,
+    vLLM's argument) as keyword arguments of ``apply_chat_template``.
+
+    Raises:
+        ValueError: not a dict with string keys, or a key that ``chat`` sets itself
+            (:data:`CHAT_ARGUMENTS`).
+    """
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {chat_template_kwargs!r:.80}")
+    taken = [k for k in chat_template_kwargs if k in CHAT_ARGUMENTS]
+    if taken:
+        raise ValueError(f"chat_template_kwargs cannot set {taken}: chat sets them (use its own arguments)")
+    return dict(chat_template_kwargs)

@@ -11,7 +11,7 @@ from nanovllm.config import Config, check_engine_args
 from nanovllm.engine import data_parallel, ranks
 from nanovllm.engine.async_step import StepLoop
 from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
-from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts
+from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts, template_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
 from nanovllm.engine.request_checks import RequestChecker
@@ -209,22 +209,26 @@ class LLMEngine:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` message dicts)
         or a list of conversations, through the tokenizer's chat template (or ``chat_template``).
         As vLLM, the templated text is tokenized without adding special tokens (the template
-        has them). Returns one RequestOutput per conversation, ``prompt`` the templated text.
+        has them). ``chat_template_kwargs``: extra variables of the template, as in vLLM (e.g.
+        ``{"enable_thinking": False}`` for Qwen3). Returns one RequestOutput per conversation,
+        ``prompt`` the templated text.
 
         Raises:
             ValueError: ``messages`` is not a conversation or a list of them; the tokenizer has
-                no chat template and none is given; as :meth:`generate`.
+                no chat template and none is given; ``chat_template_kwargs`` is not a dict with
+                string keys or names an argument this method sets; as :meth:`generate`.
         """
         self._check_open()
-        self._check_same_calls(messages, (sampling_params, chat_template, add_generation_prompt))
+        self._check_same_calls(messages, (sampling_params, chat_template, add_generation_prompt, chat_template_kwargs))
+        extra = template_kwargs(chat_template_kwargs)
         prompts = []
         for conversation in parse_conversations(messages):
             text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **extra)
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -232,7 +236,7 @@ class LLMEngine:
         """Validate everything, then run the requests here or split them across the replicas."""
         self._check_idle()
         params = self._checks.params_per_prompt(sampling_params, len(prompts))
-        prompts = [Prompt(p.text, self._checks.token_ids(p)) for p in prompts]
+        prompts = [Prompt(p.text, self._checks.token_ids(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
         if self._replicas is None:
             return self._run_requests(prompts, params, use_tqdm)
         costs = [data_parallel.request_cost(len(p.token_ids), sp, self.config.max_model_len)

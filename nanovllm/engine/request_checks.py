@@ -13,8 +13,9 @@ class RequestChecker:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.kv_capacity = max_model_len, kv_capacity
 
-    def token_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids (its text tokenized when it has none), checked.
+    def token_ids(self, prompt: Prompt, name: str = "prompt") -> list[int]:
+        """The prompt's token ids (its text tokenized when it has none), checked; errors start
+        with ``name`` (``prompts[i]`` in a batch).
 
         Raises:
             ValueError: empty, longer than ``max_model_len``, a non-integer id or one outside the
@@ -22,17 +23,17 @@ class RequestChecker:
         """
         ids = self.tokenizer.encode(prompt.text) if prompt.token_ids is None else prompt.token_ids
         if not ids:
-            raise ValueError("prompt is empty (0 tokens); at least 1 token is required")
+            raise ValueError(f"{name} is empty (0 tokens); at least 1 token is required")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+            raise ValueError(f"{name} has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         not_int = [t for t in ids if not is_integer(t)]
         if not_int:
-            raise ValueError(f"token id {not_int[0]!r} is not an integer")
+            raise ValueError(f"{name}: token id {not_int[0]!r} is not an integer")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.kv_capacity:
-            raise RuntimeError(f"prompt has {len(ids)} tokens but the KV cache holds {self.kv_capacity}")
+            raise RuntimeError(f"{name} has {len(ids)} tokens but the KV cache holds {self.kv_capacity}")
         return ids
 
     def params(self, params, name: str) -> SamplingParams:
