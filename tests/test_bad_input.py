@@ -6,7 +6,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 
-from _util import VOCAB_SIZE, build_llm, greedy, random_prompt, run_requests, token_ids
+from _util import VOCAB_SIZE, build_llm, greedy, random_prompt, token_ids
 
 MAX_MODEL_LEN = 1024
 

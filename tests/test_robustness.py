@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 
 from _util import VOCAB_SIZE, build_llm, greedy, random_prompt, token_ids
 

@@ -2,7 +2,7 @@
 sparse policies, counted on the policy instance (tiny random Llama, CPU, float32)."""
 import pytest
 
-from _util import build_llm, greedy, random_prompt
+from _util import greedy, random_prompt
 from nanovllm.sparse import SparseStats
 
 TIERED = dict(max_model_len=1536, enable_cpu_offload=True, num_kvcache_blocks=2, num_ring_slots=2,
