@@ -67,8 +67,9 @@ _VLLM_HINTS = {
 
 def check_engine_args(kwargs: dict) -> None:
     """ValueError naming every keyword of ``LLM(...)`` that is not a :class:`Config` field (with a
-    hint for vLLM arguments that have another form here), instead of a TypeError from deep inside."""
-    known = {f.name for f in fields(Config) if f.init and f.name != "model"}
+    hint for vLLM arguments that have another form here), instead of a TypeError from deep inside;
+    ``eos_token_ids`` too, which the engine takes from the model's generation config."""
+    known = {f.name for f in fields(Config) if f.init and f.name not in ("model", "eos_token_ids")}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         hints = "".join(f"; {name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS)

@@ -168,6 +168,7 @@ def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
     (dict(max_seq_len=9, block_size=16), r"unknown engine argument\(s\) block_size, max_seq_len \(nanovllm's"),
     (dict(enable_prefix_caching=False), r"enable_prefix_caching=False is not supported"),
     (dict(num_cpu_kvcache_blocks=8), r"num_cpu_kvcache_blocks=8 sizes the host tier, which needs enable_cpu_offload"),
+    (dict(eos_token_ids=[5]), r"unknown engine argument\(s\) eos_token_ids \(nanovllm's arguments are the fields"),
 ])
 def test_engine_arguments_nanovllm_does_not_take(qwen3_dir, kwargs, shown):
     """vLLM arguments raised a bare TypeError from Config; a host-tier size without the tier was ignored."""

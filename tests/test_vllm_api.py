@@ -84,19 +84,23 @@ def test_prompt_forms_give_the_same_tokens(llm):
     text = "qudfpgs yvgdpmigu akpy"
     ids = tokenizer.encode(text)
     forms = [text, {"prompt": text}, ids, {"prompt_token_ids": ids}, np.array(ids), torch.tensor(ids),
-             {"prompt_token_ids": np.array(ids)}]
+             {"prompt_token_ids": np.array(ids)}, {"prompt": "shown, not tokenized", "prompt_token_ids": ids}]
     outs = llm.generate(forms, greedy(6), use_tqdm=False)
     assert len({tuple(o["token_ids"]) for o in outs}) == 1
-    assert [o.prompt for o in outs] == [text, text] + [None] * 5
+    assert [o.prompt for o in outs] == [text, text] + [None] * 5 + ["shown, not tokenized"]
     assert all(o.prompt_token_ids == ids for o in outs)
     single = llm.generate({"prompt_token_ids": ids}, greedy(6), use_tqdm=False)
     assert len(single) == 1 and single[0]["token_ids"] == outs[0]["token_ids"]
 
 
-@pytest.mark.parametrize("bad", [{"prompt": "a", "prompt_token_ids": [5]}, {"prompt": 5},
-                                 {"prompt_token_ids": "abc"}, {"multi_modal_data": {}}])
-def test_malformed_prompt_dict(llm, bad):
-    with pytest.raises(ValueError, match=r"a prompt must be a string or a list of token ids, got"):
+@pytest.mark.parametrize("bad,shown", [
+    ({"prompt": 5}, r"a dict prompt's 'prompt' must be a string, got int"),
+    ({"prompt": "a", "prompt_token_ids": 7}, r"'prompt_token_ids' must be a list of token ids, got int"),
+    ({"prompt_token_ids": "abc"}, r"'prompt_token_ids' must be a list of token ids, got str"),
+    ({"multi_modal_data": {}}, r"a prompt must be a string or a list of token ids, got a dict with keys"),
+    ({}, r"a prompt must be a string or a list of token ids, got a dict with keys \[\]")])
+def test_malformed_prompt_dict(llm, bad, shown):
+    with pytest.raises(ValueError, match=shown):
         llm.generate([bad], greedy(1), use_tqdm=False)
     assert llm.is_finished()
 

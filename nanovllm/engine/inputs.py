@@ -24,11 +24,12 @@ def as_list(value):
 
 
 def parse_prompt(prompt) -> Prompt:
-    """One prompt in any accepted form.
+    """One prompt in any accepted form. A dict with both "prompt" and "prompt_token_ids" runs the
+    token ids and reports the text as the output's prompt, as vLLM does.
 
     Raises:
-        ValueError: ``prompt`` has none of the accepted forms, or a dict prompt has keys other
-            than exactly one of "prompt" and "prompt_token_ids".
+        ValueError: ``prompt`` has none of the accepted forms; a dict prompt has other keys than
+            "prompt" and "prompt_token_ids", or a value of the wrong type (naming the key).
     """
     prompt = as_list(prompt)
     if isinstance(prompt, str):
@@ -36,16 +37,23 @@ def parse_prompt(prompt) -> Prompt:
     if isinstance(prompt, (list, tuple)):
         return Prompt(None, list(prompt))
     if isinstance(prompt, dict):
-        keys = sorted(prompt, key=str)
-        if keys == ["prompt"] and isinstance(prompt["prompt"], str):
-            return Prompt(prompt["prompt"], None)
-        if keys == ["prompt_token_ids"] and isinstance(prompt["prompt_token_ids"], (list, tuple)):
-            return Prompt(None, list(prompt["prompt_token_ids"]))
-        raise ValueError(f"a prompt must be a string or a list of token ids, got a dict with keys {keys} "
-                         f"(a dict prompt is {{'prompt': str}} or {{'prompt_token_ids': [ids]}}; other keys, "
-                         f"e.g. multi-modal data, are not supported)")
+        return _dict_prompt(prompt)
     raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__} "
                      f"(accepted: {PROMPT_FORMS})")
+
+
+def _dict_prompt(prompt: dict) -> Prompt:
+    keys = sorted(prompt, key=str)
+    if not keys or not set(keys) <= {"prompt", "prompt_token_ids"}:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got a dict with keys {keys} "
+                         f"(a dict prompt is {{'prompt': str}} and/or {{'prompt_token_ids': [ids]}}; other "
+                         f"keys, e.g. multi-modal data, are not supported)")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if "prompt" in prompt and not isinstance(text, str):
+        raise ValueError(f"a dict prompt's 'prompt' must be a string, got {type(text).__name__}")
+    if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
+        raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+    return Prompt(text, None if ids is None else list(ids))
 
 
 def parse_prompts(prompts) -> list[Prompt]:
