@@ -30,7 +30,7 @@ import torch
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.tp_worker import torchrun_rank
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | None = None):
@@ -149,8 +149,7 @@ def main():
         if getattr(args, name) < 100:  # lengths are drawn from [100, max]
             parser.error(f"--{name.replace('_', '-')} must be >= 100, got {getattr(args, name)}")
     if args.model is None:
-        cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-        args.model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
+        args.model = cached_random_checkpoint("qwen3-0.6b")
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.logprobs)
     result = bench_nanovllm(args, prompts, params)
     result.update(roofline(args, prompts, params, result))

@@ -31,15 +31,13 @@ every mode.
 import argparse
 import gc
 import json
-import os
 import time
 
 import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import SHAPES, make_random_checkpoint
-
+from nanovllm.utils.random_checkpoint import SHAPES, cached_random_checkpoint
 
 def sync():
     if torch.cuda.is_available():
@@ -195,8 +193,7 @@ def main():
         if getattr(args, name) < (3 if name == "decode_tokens" else 1):
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     if args.model is None:
-        cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-        args.model = make_random_checkpoint(args.shape, os.path.join(cache, f"random-{args.shape}"))
+        args.model = cached_random_checkpoint(args.shape)
     from transformers import AutoConfig
 
     limit = AutoConfig.from_pretrained(args.model).max_position_embeddings

@@ -12,7 +12,6 @@ profiler (CUDA kernels, also those inside CUDA graphs), summed by category.
 import argparse
 import collections
 import json
-import os
 import time
 
 import torch
@@ -21,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import sampling_batch
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 CATEGORIES = (("decode_attention", ("decode",)), ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "cublas")),
               ("sampling", ("sample_race", "softmax", "argmax", "distribution", "gather")),
@@ -75,8 +74,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("sync", "async", "eager"), default="async")
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
-    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    model = make_random_checkpoint("qwen3-0.6b", os.path.join(cache, "random-qwen3-0.6b"))
+    model = cached_random_checkpoint("qwen3-0.6b")
     llm = LLM(model, max_model_len=4096, enforce_eager=args.mode == "eager", async_scheduling=args.mode == "async")
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     for prompt, params in zip(*workload(256, 1024, 1024)):

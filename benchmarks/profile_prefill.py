@@ -9,7 +9,6 @@ TTFT minus the compute kernels' sum is time the compute stream waited (copies ru
 engines). Usage: python -m benchmarks.profile_prefill [input_len, default 32768]
 """
 import json
-import os
 import sys
 import time
 
@@ -17,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 BLOCK = 4096
 CATEGORIES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass")), ("attention", ("cudnn", "fmha", "flash", "attn")),
@@ -62,8 +61,7 @@ def profile_prefill(model: str, offload: bool, input_len: int) -> dict:
 
 def main() -> None:
     input_len = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
-    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    model = make_random_checkpoint("llama-3.1-8b", os.path.join(cache, "random-llama-3.1-8b"))
+    model = cached_random_checkpoint("llama-3.1-8b")
     for offload in (False, True):
         print(json.dumps(profile_prefill(model, offload, input_len)), flush=True)
 

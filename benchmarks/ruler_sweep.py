@@ -62,8 +62,7 @@ def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) ->
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    settings = RulerSettings(num_samples=num_samples, seed=seed)
-    return {n: build_samples(tokenizer, RulerSettings(**{**vars(settings), "input_len": n - ANSWER_ROOM}))
+    return {n: build_samples(tokenizer, RulerSettings(num_samples=num_samples, seed=seed, input_len=n - ANSWER_ROOM))
             for n in lengths}
 
 

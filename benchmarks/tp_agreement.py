@@ -10,13 +10,12 @@ near-tie, which summation order alone decides (see tests/gpu/test_tp_gpu.py).
 """
 import argparse
 import json
-import os
 
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.divergence import first_difference, parting
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -45,8 +44,7 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    model = make_random_checkpoint(args.shape, os.path.join(cache, f"random-{args.shape}"))
+    model = cached_random_checkpoint(args.shape)
     batch = prompts(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     opts = dict(max_model_len=2048, max_num_seqs=64, dtype=args.dtype)

@@ -236,6 +236,7 @@ class Config:
                              f"use async_scheduling=False or None")
 
     def _check_offload(self):
+        from nanovllm.kvcache.cache import has_host_tier
         from nanovllm.sparse import SparsePolicyType
 
         if self.num_gpu_blocks is not None:
@@ -246,7 +247,7 @@ class Config:
         _check_range("num_ring_slots", self.num_ring_slots, 2)
         if self.num_cpu_kvcache_blocks != -1:
             _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
-            if not self.enable_cpu_offload:
+            if not has_host_tier(self):
                 raise ValueError(f"num_cpu_kvcache_blocks={self.num_cpu_kvcache_blocks} sizes the host tier, which "
                                  "needs enable_cpu_offload=True")
         _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
@@ -256,7 +257,7 @@ class Config:
         _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)
         if self.num_reuse_cache_blocks != -1:
             _check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
-        if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
+        if self.num_reuse_cache_blocks > 0 and not (has_host_tier(self) and
                                                     self.sparse_policy is SparsePolicyType.QUEST):
             raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
                              f"and sparse_policy='QUEST' (got {self.enable_cpu_offload}, "
@@ -293,9 +294,10 @@ def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
     as in the ValueError: tensor parallelism, the host KV tier, QUEST (whose block picks are read
     on the host within the step)."""
+    from nanovllm.kvcache.cache import has_host_tier
     from nanovllm.sparse import SparsePolicyType
 
     return [name for name, on in (
         (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        ("enable_cpu_offload=True", config.enable_cpu_offload),
+        ("enable_cpu_offload=True", has_host_tier(config)),
         ("sparse_policy='QUEST'", config.sparse_policy is SparsePolicyType.QUEST)) if on]

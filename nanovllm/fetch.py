@@ -108,15 +108,16 @@ def _spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; known models: {sorted(MODELS)}") from None
 
 
-def default_dest(name: str = "smollm2") -> Path:
-    """The default directory of model ``name``.
-
-    ``$NANOVLLM_CACHE/<cache_name>`` when ``NANOVLLM_CACHE`` is set, else
-    ``~/.cache/nanovllm/<cache_name>`` (``smollm2`` -> ``smollm2-135m-instruct``).
-    """
+def cache_root() -> Path:
+    """Where nanovllm keeps models: ``$NANOVLLM_CACHE`` when set, else ``~/.cache/nanovllm``."""
     root = os.environ.get("NANOVLLM_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "nanovllm"
-    return base.expanduser() / _spec(name).cache_name
+    return (Path(root) if root else Path.home() / ".cache" / "nanovllm").expanduser()
+
+
+def default_dest(name: str = "smollm2") -> Path:
+    """The default directory of model ``name``: ``<cache_root()>/<cache_name>`` (``smollm2`` ->
+    ``smollm2-135m-instruct``)."""
+    return cache_root() / _spec(name).cache_name
 
 
 def is_complete_model_dir(path: str | os.PathLike) -> bool:

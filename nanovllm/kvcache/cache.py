@@ -12,7 +12,8 @@ Which block lives where is the block manager's business (``block_manager.py``, o
 side); a step carries it here as each sequence's two block tables and the list of spills. The
 attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
 With the host tier off, every step is the GPU-only engine's: same tables, same kernels. Whether
-the host tier exists (``enable_cpu_offload``) is decided here, once, as :attr:`KVCache.tiered`.
+the host tier exists (``enable_cpu_offload``) is decided here, once (:func:`has_host_tier`,
+kept as :attr:`KVCache.tiered`).
 """
 import logging
 
@@ -34,6 +35,12 @@ from nanovllm.utils.tensors import padded_rows, to_device
 logger = logging.getLogger(__name__)
 
 
+def has_host_tier(config) -> bool:
+    """The KV mode, decided in this one place (for the cache and for ``Config``'s checks of the
+    options that depend on it): a host tier beside the GPU tier when ``enable_cpu_offload`` is on."""
+    return config.enable_cpu_offload
+
+
 class KVCache:
     """Args: config; layers (the model's attention layers, in order); device; decode_batch_sizes
     (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode batches are padded so
@@ -45,7 +52,7 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
                                    config.dtype)
         self.policy = create_policy(config, layer.scale)
-        self.tiered = config.enable_cpu_offload  # the KV mode: a host tier beside the GPU tier
+        self.tiered = has_host_tier(config)
         self.reuse_rows = reuse_cache_rows(config) if self.tiered and self.policy.chooses_decode_blocks else 0
         self.stats = SparseStats()
         self.attention = TieredAttention(self.policy, self.stats, layer.scale)

@@ -219,15 +219,17 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty((batch, heads_q, dim), dtype=torch.float32 if return_lse else q.dtype, device=q.device)
-    # One split (a large batch): the split kernel writes the result itself. The LSE is written
-    # either way (a scratch row when not asked for), so that the kernel has one form per dtype.
-    lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device)
+    # One split (a large batch): the split kernel writes the result itself, its LSE too (a scratch
+    # row when not asked for), so that the kernel has one form per dtype.
     final = splits == 1
     if final:
+        lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device)
         o_part, lse_part = out.unsqueeze(2), lse.unsqueeze(2)
     else:
         o_part = torch.empty((batch, heads_q, splits, dim), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
+        # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
+        lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
     _decode_split_kernel[(batch, heads_kv * g_chunks, splits)](
         q, k_cache, v_cache, tables, lens, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,

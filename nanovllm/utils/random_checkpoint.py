@@ -47,6 +47,14 @@ def write_word_tokenizer(path: str, vocab_size: int, eos_token_id: int = 0):
     fast.save_pretrained(path)
 
 
+def cached_random_checkpoint(shape: str, **kwargs) -> str:
+    """:func:`make_random_checkpoint` of ``shape`` in ``<nanovllm.fetch.cache_root()>/random-<shape>``,
+    the one place benchmarks and GPU tests keep it (created once)."""
+    from nanovllm.fetch import cache_root
+
+    return make_random_checkpoint(shape, str(cache_root() / f"random-{shape}"), **kwargs)
+
+
 def make_random_checkpoint(shape: str, path: str, dtype: torch.dtype = torch.bfloat16,
                            seed: int = 0, device: str | None = None, **overrides) -> str:
     """Write ``shape``'s config with random weights to ``path`` (skipped if already there).

@@ -12,14 +12,13 @@ identical. Slow; run it on the device:
     python -m pytest tests/gpu/test_tiers_gpu.py -q
 """
 import gc
-import os
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.divergence import parting
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -42,8 +41,7 @@ def _greedy(llm: LLM, prompt: list[int], steps: int = DECODE_STEPS) -> list[int]
 
 @pytest.fixture(scope="module")
 def model_dir():
-    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    return make_random_checkpoint("llama-3.1-8b", os.path.join(cache, "random-llama-3.1-8b"))
+    return cached_random_checkpoint("llama-3.1-8b")
 
 
 FLOAT32_LENGTHS = ("8k", "32k")  # float32 at 128K would take minutes per engine

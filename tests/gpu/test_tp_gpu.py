@@ -17,7 +17,7 @@ import torch
 from _util import run_torchrun
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.divergence import first_difference
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -28,8 +28,7 @@ DTYPE = "float32"
 
 
 def _checkpoint(shape: str) -> str:
-    cache = os.environ.get("NANOVLLM_CACHE", os.path.expanduser("~/.cache/nanovllm"))
-    return make_random_checkpoint(shape, os.path.join(cache, f"random-{shape}"))
+    return cached_random_checkpoint(shape)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "llama-3.1-8b"])
