@@ -8,9 +8,9 @@ sparse densities (LLM.get_sparse_stats) and the generate time. A setting that fa
 with its error and the sweep goes on; --table prints the lines as a Markdown table.
 
 Settings: full-gpu (FULL, no host tier); full-host-2 / full-host-4 (FULL with the host tier
-holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, 8 blocks
-per sequence); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4 or
-8); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that threshold, no host tier).
+holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, prompts
+of 4 full blocks); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4
+or 8, with a reuse cache); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that threshold, no host tier).
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
 (e.g. to carry them to a GPU machine):
@@ -38,20 +38,25 @@ from nanovllm.utils import ruler  # noqa: E402
 
 SETTINGS = {
     "full-gpu": {},
-    "full-host-2": dict(enable_offload=True, num_ring_slots=2, blocks=8),
-    "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=8),
-    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=32, sparse_policy="QUEST", sparse_topk_blocks=4),
-    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=32, sparse_policy="QUEST", sparse_topk_blocks=8),
+    "full-host-2": dict(enable_offload=True, num_ring_slots=2, blocks=4),
+    "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=4),
+    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4,
+                     num_reuse_cache_blocks=40),
+    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8,
+                     num_reuse_cache_blocks=80),
     "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
     "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
     "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),
 }
-"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples). ``blocks``: KV
-blocks per sequence of the host-tier settings, so that the block size grows with the length
-(:func:`block_size`): decode over the host tier costs some host time per block, sequence and
-layer, so with a fixed 1,024-token block a small model's 32K decode is host-bound (12 MiB blocks
-for Qwen2.5-0.5B, 32 per sequence and layer; docs/sparse.md). QUEST's top-k
-counts those blocks: k 4 of 32 reads (4 + 3) / 32 = 22% of them."""
+"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples). ``blocks``: full KV
+blocks a prompt spans in the host-tier settings, so that the block size grows with the length
+(:func:`block_size`). Decode over the host tier costs host time per block, sequence and layer
+(a load and a fold), so few blocks keep a small model's decode from being host-bound
+(docs/sparse.md): FULL's 4 (the first stays in the GPU tier, the next three, ~73% of the prompt,
+are read from the host, and the partial last block is the one written); QUEST's 31 (plus the
+partial last one: 32 blocks, so top-k 4 reads (4 + 3) / 32 = 22% of them). QUEST's reuse cache
+has top-k rows per layer for each of the 10 sequences batched, so that the reuse rate measures
+how much consecutive steps' picks overlap, not the cache's size."""
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
 answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
@@ -67,10 +72,11 @@ def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) ->
 
 
 def block_size(name: str, length: int) -> int:
-    """KV block tokens of setting ``name`` at ``length``: ``length / blocks`` rounded down to a
-    multiple of 256 (at least 256); 1024 (the evaluation default) for settings without ``blocks``."""
+    """KV block tokens of setting ``name`` at ``length``: the prompt (``length - ANSWER_ROOM``
+    tokens) over ``blocks``, rounded down to a multiple of 256 (at least 256); 1024 (the
+    evaluation default) for settings without ``blocks``."""
     blocks = SETTINGS[name].get("blocks")
-    return 1024 if blocks is None else max(256, length // blocks // 256 * 256)
+    return 1024 if blocks is None else max(256, (length - ANSWER_ROOM) // blocks // 256 * 256)
 
 
 def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
@@ -88,6 +94,7 @@ def _line(name: str, length: int, report, seconds: float) -> dict:
             "prefill_density": stats.get("prefill", {}).get("density"),
             "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
             "decode_comm_density": stats.get("decode", {}).get("comm_density"),
+            "decode_reuse_rate": stats.get("decode", {}).get("reuse_rate"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
             "block_size": report.settings["block_size"],
             "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
@@ -138,12 +145,13 @@ def table(path: str) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
 
-    head = ["setting", "length", *tasks, "average", "prefill density", "decode comm density", "seconds"]
+    head = ["setting", "length", *tasks, "average", "prefill density", "decode comm density", "reuse rate",
+            "seconds"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in sorted(runs, key=lambda x: (list(SETTINGS).index(x["setting"]), x["input_len"])):
         cells = [x["setting"], str(x["input_len"]), *(f"{100 * x['tasks'][t]:.0f}" for t in tasks),
                  f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x["decode_comm_density"]),
-                 f"{x['generate_seconds']:.0f}"]
+                 fmt(x.get("decode_reuse_rate")), f"{x['generate_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
     rows += [f"\nfailed: {x['setting']}: {x['error']}" for x in lines if "error" in x]
     return "\n".join(rows)

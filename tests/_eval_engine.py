@@ -38,6 +38,7 @@ class EngineSettings:
     sparse_threshold: float = 0.9
     sparse_stride: int = 8
     num_cpu_blocks: int | None = None
+    num_reuse_cache_blocks: int | None = None  # None: the engine's default (QUEST's top-k rows per layer)
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
     enforce_eager: bool = False
@@ -104,6 +105,8 @@ class EngineSettings:
                                           else 2 * max_num_seqs),
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
                                               else per_seq * max_num_seqs))
+            if self.num_reuse_cache_blocks is not None:
+                kw.update(num_reuse_cache_blocks=self.num_reuse_cache_blocks)
         return kw
 
 

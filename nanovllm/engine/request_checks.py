@@ -26,12 +26,13 @@ class RequestChecker:
             raise ValueError(f"{name} is empty (0 tokens); at least 1 token is required")
         if len(ids) > self.max_model_len:
             raise ValueError(f"{name} has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        not_int = [t for t in ids if not is_integer(t)]
-        if not_int:
-            raise ValueError(f"{name}: token id {not_int[0]!r} is not an integer")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not all(type(t) is int for t in ids):  # plain ints (the usual case) skip the slower check
+            not_int = [t for t in ids if not is_integer(t)]
+            if not_int:
+                raise ValueError(f"{name}: token id {not_int[0]!r} is not an integer")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.kv_capacity:
             raise RuntimeError(f"{name} has {len(ids)} tokens but the KV cache holds {self.kv_capacity}")
         return ids

@@ -163,6 +163,19 @@ class KVCache:
         block_size = self.geometry.block_size
         return seq.block_table[pos // block_size] * block_size + pos % block_size
 
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """:meth:`_slot` of positions ``start .. end - 1``, a range per block."""
+        block_size = self.geometry.block_size
+        pos = min(max(seq.num_cached_tokens, start), end)
+        slots = [-1] * (pos - start)
+        while pos < end:
+            block = pos // block_size
+            stop = min((block + 1) * block_size, end)
+            base = (seq.block_table[block] - block) * block_size
+            slots += range(base + pos, base + stop)
+            pos = stop
+        return slots
+
     def _note_filled(self, seq: Sequence, start: int, end: int):
         if self.policy.needs_block_metadata:
             block_size = self.geometry.block_size
@@ -175,7 +188,7 @@ class KVCache:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [self._slot(seq, p) for p in range(start, end)]
+            slots += self._slots(seq, start, end)
             seqlens_q.append(end - start)
             seqlens_k.append(end)
             if end == len(seq):

@@ -1,7 +1,8 @@
 """The two-tier KV cache on the GPU: random-weight Llama-3.1-8B shape (32 layers).
 
-The host tier is on and the GPU tier forced to 4 blocks, so all but each sequence's first block
-and the block it writes live on the host (prefill gathers them, decode streams them through the
+The host tier is on and the GPU tier forced to its smallest useful size (4 blocks of 1,024
+tokens, 2 of 4,096: an 8K prompt fills 3 of 4,096), so all but each sequence's first block and
+the block it writes live on the host (prefill gathers them, decode streams them through the
 ring). Greedy tokens must equal GPU-only mode for 64 decode steps after prompts of about 8K, 32K
 and 128K tokens whose lengths are not block multiples: in float32 (8K and 32K), where the decode
 orders (one paged pass vs paged + ring blocks merged by LSE) differ by ~1e-6 and any differing
@@ -80,13 +81,18 @@ NEAR_TIE = 0.1
 """bf16: the two candidates' float32 logits at a parting must be closer than this."""
 
 
+GPU_BLOCKS = {1024: 4, 4096: 2}
+"""GPU-tier blocks per block size: few enough that every prompt here spills."""
+
+
 def _tiered_llm(model_dir, slots: int, block: int, dtype: str = "bfloat16") -> LLM:
-    """One tiered engine at a time (the previous one is shut down first), GPU tier of 4 blocks."""
+    """One tiered engine at a time (the previous one is shut down first), GPU tier of
+    ``GPU_BLOCKS[block]`` blocks."""
     key = (slots, block, dtype)
     if key not in _engines:
         _release_engines()
         _engines[key] = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enable_cpu_offload=True,
-                            num_ring_slots=slots, kvcache_block_size=block, dtype=dtype, num_kvcache_blocks=4,
+                            num_ring_slots=slots, kvcache_block_size=block, dtype=dtype, num_kvcache_blocks=GPU_BLOCKS[block],
                             num_cpu_kvcache_blocks=-(-MAX_MODEL_LEN // block))
     return _engines[key]
 
