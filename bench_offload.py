@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--num-ring-slots", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
-    parser.add_argument("--sparse-threshold", type=float, default=0.9)
+    parser.add_argument("--sparse-threshold", type=float, default=0.97)
     parser.add_argument("--sparse-topk-blocks", type=int, default=8)
     parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
     parser.add_argument("--num-reuse-cache-blocks", type=int, default=-1,

@@ -140,7 +140,8 @@ class Config:
             memory budget. -1 (default): ``sparse_topk_blocks`` (one step's picks of a sequence);
             0: no reuse cache. A positive value needs ``enable_cpu_offload`` and QUEST.
         sparse_threshold: XATTN_BSA, share of the estimated attention mass each (head, query
-            block) keeps, in [0, 1] (default 0.9; 1.0 keeps every block: FULL's result).
+            block) keeps, in [0, 1] (default 0.97, the knee of the RULER sweep at 32K in docs/sparse.md;
+            1.0 keeps every block: FULL's result).
         sparse_stride: XATTN_BSA antidiagonal stride of the estimation, a power of two in
             [1, 64] and <= sparse_block_size (default 8; 16 is cheaper and coarser).
         sparse_block_size: XATTN_BSA sparse block in tokens, a power of two in [16, 1024]
@@ -178,7 +179,7 @@ class Config:
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
     num_reuse_cache_blocks: int = -1
-    sparse_threshold: float = 0.9
+    sparse_threshold: float = 0.97
     sparse_stride: int = 8
     sparse_block_size: int = 128
     sparse_chunk_size: int = 16384

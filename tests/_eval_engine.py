@@ -35,7 +35,7 @@ class EngineSettings:
     sparse_policy: str = "FULL"
     sparse_topk_blocks: int = 8
     sparse_threshold_blocks: int = 4
-    sparse_threshold: float = 0.9
+    sparse_threshold: float = 0.97
     sparse_stride: int = 8
     num_cpu_blocks: int | None = None
     num_reuse_cache_blocks: int | None = None  # None: the engine's default (QUEST's top-k rows per layer)
@@ -128,9 +128,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
     p.add_argument("--sparse-threshold-blocks", type=int, default=4,
                    help="QUEST: select only above this many blocks (default 4)")
-    p.add_argument("--sparse-threshold", type=float, default=0.9,
+    p.add_argument("--sparse-threshold", type=float, default=0.97,
                    help="XATTN_BSA: share of the estimated attention mass kept per query block, in [0, 1] "
-                        "(default 0.9)")
+                        "(default 0.97)")
     p.add_argument("--sparse-stride", type=int, default=8,
                    help="XATTN_BSA: antidiagonal stride of the block estimate, a power of two in [1, 64] "
                         "(default 8)")

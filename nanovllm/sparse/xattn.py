@@ -48,7 +48,7 @@ class XAttentionBSAPolicy(SparsePolicy):
 
     dense_prefill = False
 
-    def __init__(self, scale: float, threshold: float = 0.9, stride: int = 8, block_size: int = 128,
+    def __init__(self, scale: float, threshold: float = 0.97, stride: int = 8, block_size: int = 128,
                  chunk_size: int = 16384):
         super().__init__(scale)
         check_xattn_params(threshold, stride, block_size, chunk_size)
