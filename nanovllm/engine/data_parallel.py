@@ -18,6 +18,7 @@ order (:func:`in_input_order`). Two launches, like tensor parallelism (``tp_work
   the replicas' results (:class:`TorchrunReplicas`), so every rank returns every output.
 """
 import copy
+import atexit
 import functools
 import heapq
 import pickle
@@ -292,10 +293,21 @@ class ReplicaExchange:
         self.group.allgather([gathered], [mine]).wait()
         return [pickle.loads(t[:int(size)].numpy().tobytes()) for t, size in zip(gathered, sizes)]
 
+    def close(self):
+        """Release the gloo group, so that it is destroyed (its threads joined) now; the exchange
+        cannot be used after."""
+        self.group = None
+
 
 @functools.cache
 def torchrun_exchange(rank: int, world_size: int) -> ReplicaExchange:
-    return ReplicaExchange(rank, world_size)
+    """The process's one exchange, released at interpreter exit (``atexit``, while the interpreter
+    is intact). A gloo group still alive after the interpreter's teardown is destroyed with its
+    threads still running, which aborts the process ("terminate called without an active
+    exception") and fails the torchrun job; ``tp_worker`` does the same for the default group."""
+    exchange = ReplicaExchange(rank, world_size)
+    atexit.register(exchange.close)
+    return exchange
 
 
 class TorchrunReplicas:
