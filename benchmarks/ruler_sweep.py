@@ -10,7 +10,8 @@ with its error and the sweep goes on; --table prints the lines as a Markdown tab
 Settings: full-gpu (FULL, no host tier); full-host-2 / full-host-4 (FULL with the host tier
 holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, prompts
 of 4 full blocks); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4
-or 8, with a reuse cache); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that threshold, no host tier).
+or 8, with a reuse cache); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
+threshold, no host tier).
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
 (e.g. to carry them to a GPU machine):

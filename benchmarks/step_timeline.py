@@ -57,7 +57,8 @@ def summarize(steps, end: torch.cuda.Event, weight_bytes: int, kv_bytes: int, hb
         row["seconds"] += seconds
         row["roofline_seconds"] += bound
     for row in bins.values():
-        row["fraction_of_roofline"] = round(row["roofline_seconds"] / row["seconds"], 3) if row["roofline_seconds"] else None
+        bound = row["roofline_seconds"]
+        row["fraction_of_roofline"] = round(bound / row["seconds"], 3) if bound else None
         row["ms_per_step"] = round(row["seconds"] / row["steps"] * 1e3, 3)
         row["seconds"], row["roofline_seconds"] = round(row["seconds"], 3), round(row["roofline_seconds"], 3)
     return dict(sorted(bins.items()))

@@ -17,8 +17,8 @@ order (:func:`in_input_order`). Two launches, like tensor parallelism (``tp_work
   D x TP ranks (:class:`ReplicaExchange`) checks that the ranks make the same calls and all-gathers
   the replicas' results (:class:`TorchrunReplicas`), so every rank returns every output.
 """
-import copy
 import atexit
+import copy
 import functools
 import heapq
 import pickle

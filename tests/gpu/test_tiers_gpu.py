@@ -92,7 +92,8 @@ def _tiered_llm(model_dir, slots: int, block: int, dtype: str = "bfloat16") -> L
     if key not in _engines:
         _release_engines()
         _engines[key] = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enable_cpu_offload=True,
-                            num_ring_slots=slots, kvcache_block_size=block, dtype=dtype, num_kvcache_blocks=GPU_BLOCKS[block],
+                            num_ring_slots=slots, kvcache_block_size=block, dtype=dtype,
+                            num_kvcache_blocks=GPU_BLOCKS[block],
                             num_cpu_kvcache_blocks=-(-MAX_MODEL_LEN // block))
     return _engines[key]
 
