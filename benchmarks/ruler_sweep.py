@@ -41,10 +41,8 @@ SETTINGS = {
     "full-gpu": {},
     "full-host-2": dict(enable_offload=True, num_ring_slots=2, blocks=4),
     "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=4),
-    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4,
-                     num_reuse_cache_blocks=40),
-    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8,
-                     num_reuse_cache_blocks=80),
+    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4),
+    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8),
     "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
     "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
     "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),
@@ -56,8 +54,8 @@ blocks a prompt spans in the host-tier settings, so that the block size grows wi
 (docs/sparse.md): FULL's 4 (the first stays in the GPU tier, the next three, ~73% of the prompt,
 are read from the host, and the partial last block is the one written); QUEST's 31 (plus the
 partial last one: 32 blocks, so top-k 4 reads (4 + 3) / 32 = 22% of them). QUEST's reuse cache
-has top-k rows per layer for each of the 10 sequences batched, so that the reuse rate measures
-how much consecutive steps' picks overlap, not the cache's size."""
+gets top-k rows per layer for each sequence batched (:func:`_settings`), so that the reuse rate
+measures how much consecutive steps' picks overlap, not the cache's size."""
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
 answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
@@ -82,6 +80,8 @@ def block_size(name: str, length: int) -> int:
 
 def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
     fields = {k: v for k, v in SETTINGS[name].items() if k != "blocks"}
+    if fields.get("sparse_policy") == "QUEST":  # a reuse-cache row per pick of each batched sequence
+        fields["num_reuse_cache_blocks"] = fields["sparse_topk_blocks"] * num_samples
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
                              max_num_seqs=num_samples, block_size=block, **fields)
     settings.validate()
