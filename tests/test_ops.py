@@ -319,6 +319,31 @@ def test_apply_rotary_cpu_equals_reference_bit_for_bit(dtype):
         assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
 
 
+def _rotary_case(dtype, tokens: int, max_position: int, dim: int = 64):
+    """A cos/sin table, q ``[tokens, 6, dim]`` and k ``[tokens, 2, dim]`` as strided views of one
+    qkv buffer, and per-head norm weights (Qwen3's q_norm / k_norm)."""
+    angles = torch.outer(torch.arange(max_position).float(), 1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)))
+    qkv = (torch.randn(tokens, 10 * dim) * 4).to(dtype)
+    q, k = qkv[:, :6 * dim].view(tokens, 6, dim), qkv[:, 6 * dim:8 * dim].view(tokens, 2, dim)
+    qk_norm = ((torch.rand(dim) + 0.5).to(dtype), (torch.rand(dim) + 0.5).to(dtype), 1e-6)
+    return torch.stack((angles.cos(), angles.sin())), q, k, qk_norm
+
+
+@eager_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_with_qk_norm_cpu_is_norm_then_rotary(dtype):
+    """Qwen3's q/k norm inside apply_rotary: on CPU the reference's result bit for bit, which is
+    rms_norm_ref of every head followed by the plain rotation."""
+    cache, q, k, qk_norm = _rotary_case(dtype, 9, 300)
+    positions = torch.tensor([0, 1, 17, 299, 3, 3, 150, 64, 2])
+    got = apply_rotary(positions, q, k, cache, qk_norm)
+    want = apply_rotary_ref(positions, rms_norm_ref(q, qk_norm[0], 1e-6), rms_norm_ref(k, qk_norm[1], 1e-6), cache)
+    for a, b, c in zip(got, want, apply_rotary_ref(positions, q, k, cache, qk_norm)):
+        assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="qk_norm weights must be"):
+        apply_rotary(positions, q, k, cache, (qk_norm[0][:32], qk_norm[1], 1e-6))
+
+
 @eager_only
 def test_rms_norm_cpu_equals_reference_bit_for_bit():
     """float32 goes through torch's F.rms_norm: equal to the reference (with the residual, per
@@ -667,6 +692,18 @@ def test_interpreted_apply_rotary_matches_reference(dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_apply_rotary_with_qk_norm_matches_reference(dtype):
+    """The fused norm + rotation kernel against rms_norm_ref then the rotation (the mean square
+    is summed in another order, so float16 may differ by a unit in the last place)."""
+    cache, q, k, qk_norm = _rotary_case(dtype, 6, 50)
+    positions = torch.tensor([0, 1, 17, 49, 3, 3])
+    for a, b in zip(apply_rotary(positions, q, k, cache, qk_norm), apply_rotary_ref(positions, q, k, cache, qk_norm)):
+        assert a.is_contiguous() and a.dtype == dtype
+        assert_close(a, b, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,d", [(1, 40), (5, 1100), (0, 64)])
 def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
@@ -683,4 +720,4 @@ def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=36)
+    run_interpreted_tests(__file__, min_passed=38)

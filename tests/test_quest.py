@@ -8,22 +8,38 @@ import torch
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, greedy, random_prompt
 from nanovllm.sparse.quest import QUEST_PAGE_SIZE, QuestPolicy, select_top_blocks
-from nanovllm.sparse.quest_scores import quest_block_scores, quest_scores, quest_scores_ref
+from nanovllm.sparse.quest_scores import block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds
 
 
-def test_scores_bound_every_key_of_the_block():
+def test_bounds_bound_every_key_of_the_block_per_head():
     torch.manual_seed(0)
     keys = torch.randn(2, 6, 3, 16, 2, 8)  # [seqs, blocks, pages, tokens, Hkv, D]
     q = torch.randn(2, 4, 8)  # Hq = 4, GQA 2:1
-    scores = quest_block_scores(q, keys.amin(3), keys.amax(3))
-    assert scores.shape == (2, 6)
+    bounds = quest_head_bounds(q, keys.amin(3), keys.amax(3))
+    assert bounds.shape == (2, 6, 4)
     for s in range(2):
-        per_head = torch.stack([(keys[s, :, :, :, h // 2] @ q[s, h]).flatten(1).amax(1) for h in range(4)], 1)
-        assert torch.all(scores[s] >= per_head.amax(1) - 1e-5)
+        for h in range(4):
+            assert torch.all(bounds[s, :, h] >= (keys[s, :, :, :, h // 2] @ q[s, h]).flatten(1).amax(1) - 1e-5)
     one_key = keys[:, :, :1, :1]  # one page of one token: the bound is exact
-    exact = torch.stack([torch.stack([(one_key[s, :, 0, 0, h // 2] @ q[s, h]) for h in range(4)], 1).amax(1)
+    exact = torch.stack([torch.stack([(one_key[s, :, 0, 0, h // 2] @ q[s, h]) for h in range(4)], 1)
                          for s in range(2)])
-    torch.testing.assert_close(quest_block_scores(q, one_key.amin(3), one_key.amax(3)), exact)
+    torch.testing.assert_close(quest_head_bounds(q, one_key.amin(3), one_key.amax(3)), exact)
+
+
+def test_block_scores_sum_each_heads_shares():
+    """Each head's bounds become a softmax over the candidate blocks, summed over heads: a head
+    with a sharp favourite outvotes one whose bounds are large but flat (the largest bound over
+    heads would pick the flat head's block); rows without candidates stay -inf."""
+    inf = float("-inf")
+    flat, sharp = [50.0, 50.5, 50.0, inf], [0.0, 0.0, 20.0, inf]
+    bounds = torch.tensor([[flat, sharp], [[inf] * 4, [inf] * 4]]).transpose(1, 2)  # [S=2, M=4, Hq=2]
+    scores = block_scores(bounds, 1.0)
+    assert bounds.amax(2)[0].argmax().item() == 1, "max over heads: the flat head's best block"
+    assert scores[0].argmax().item() == 2
+    shares = torch.softmax(bounds[0], 0)
+    torch.testing.assert_close(scores[0, :3], shares.sum(1)[:3])
+    assert torch.isneginf(scores[0, 3]) and torch.isneginf(scores[1]).all()
+    assert select_top_blocks(scores, 1).tolist() == [[2], [-1]]
 
 
 def _bounds(num_slots, pages, heads_kv, dim, dtype=torch.float32, seed=0):
@@ -34,31 +50,32 @@ def _bounds(num_slots, pages, heads_kv, dim, dtype=torch.float32, seed=0):
 SLOTS = torch.tensor([[0, 3, -1, 6], [5, -1, -1, 2], [-1, -1, -1, -1]])
 
 
-def test_scores_of_slots_are_the_scores_of_the_gathered_bounds():
+def test_bounds_of_slots_are_the_bounds_of_the_gathered_pages():
     kmin, kmax = _bounds(7, 5, 2, 8)
     q = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
-    scores = quest_scores(q, kmin, kmax, SLOTS)
-    assert torch.equal(scores, quest_scores_ref(q, kmin, kmax, SLOTS)), "CPU dispatches to the reference"
+    bounds = quest_bounds(q, kmin, kmax, SLOTS)
+    assert bounds.shape == (3, 4, 6)
+    assert torch.equal(bounds, quest_bounds_ref(q, kmin, kmax, SLOTS)), "CPU dispatches to the reference"
     for s, row in enumerate(SLOTS.tolist()):
         for m, slot in enumerate(row):
-            want = float("-inf") if slot < 0 else quest_block_scores(q[s:s + 1], kmin[slot][None, None],
-                                                                     kmax[slot][None, None])[0, 0].item()
-            assert scores[s, m].item() == pytest.approx(want, abs=1e-5), (s, m)
+            want = torch.full((6,), float("-inf")) if slot < 0 else quest_head_bounds(
+                q[s:s + 1], kmin[slot][None, None], kmax[slot][None, None])[0, 0]
+            torch.testing.assert_close(bounds[s, m], want, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="slots must be int64"):
-        quest_scores(q, kmin, kmax, SLOTS.int())
+        quest_bounds(q, kmin, kmax, SLOTS.int())
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        quest_scores(q[:, :5], kmin, kmax, SLOTS)
+        quest_bounds(q[:, :5], kmin, kmax, SLOTS)
 
 
 @interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreted_quest_scores_kernel_equals_reference(dtype):
+def test_interpreted_quest_bounds_kernel_equals_reference(dtype):
     """Pages not a multiple of the kernel's tile (80 of 64), GQA 3:1 padded to 16 rows, head_dim
     24 padded to 32, rows without candidates."""
     kmin, kmax = _bounds(7, 80, 2, 24, dtype)
     q = torch.randn(3, 6, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
-    got, want = quest_scores(q, kmin, kmax, SLOTS), quest_scores_ref(q, kmin, kmax, SLOTS)
-    assert torch.equal(torch.isinf(got), SLOTS < 0)
+    got, want = quest_bounds(q, kmin, kmax, SLOTS), quest_bounds_ref(q, kmin, kmax, SLOTS)
+    assert torch.equal(torch.isinf(got), (SLOTS < 0)[..., None].expand_as(got))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -91,7 +108,9 @@ def test_policy_picks_the_best_middle_blocks_of_both_tiers():
     q = torch.randn(1, 4, dim, generator=gen)
     picks = policy.select_decode_blocks(0, q, selection.blocks)[0].tolist()
     slots = [gpu_blocks + 2, 5, gpu_blocks, 6]
-    scores = [quest_block_scores(q, policy.kmin[0, s][None, None], policy.kmax[0, s][None, None]).item() for s in slots]
+    bounds = torch.cat([quest_head_bounds(q, policy.kmin[0, s][None, None], policy.kmax[0, s][None, None])[0]
+                        for s in slots])  # [4 candidates, Hq]
+    scores = torch.softmax(bounds * dim ** -0.5, 0).sum(1).tolist()
     best = sorted(range(4), key=lambda i: -scores[i])[:2]
     assert sorted(picks) == sorted(i + 1 for i in best)
 
@@ -112,8 +131,8 @@ def test_bounds_follow_a_block_from_the_gpu_tier_to_the_host_tier():
 
 
 def test_quest_tensor_parallel_selects_like_tp1(llama_tied_dir):
-    """Each rank scores blocks with its own query heads; the ranks take the maximum over all of
-    them (all-reduce), so TP=2 selects TP=1's blocks and gives its tokens, in both tiers."""
+    """Each rank scores blocks with its own query heads; the ranks sum the heads' shares
+    (all-reduce), so TP=2 selects TP=1's blocks and gives its tokens, in both tiers."""
     prompts = [random_prompt(n, seed=300 + n) for n in (1300, 1500)]
     opts = dict(max_model_len=1536, enable_cpu_offload=True, num_kvcache_blocks=6, num_ring_slots=2,
                 num_cpu_kvcache_blocks=16, sparse_policy="QUEST", sparse_topk_blocks=1, sparse_threshold_blocks=2)

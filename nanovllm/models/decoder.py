@@ -44,9 +44,10 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:  # Qwen3: the per-head norms in RoPE's launch
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 

@@ -5,19 +5,20 @@ Per page of ``QUEST_PAGE_SIZE`` tokens (the paper's 16) of every full block and 
 keeps the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device),
 for the blocks of both tiers (indexed by metadata slot, see ``policy.py``): computed from the GPU
 cache when a block becomes full and copied along when the block is spilled to the host tier. A
-block's score for a decode query is the largest upper bound of ``q . k`` over its pages and all
-query heads (``quest_scores.py``). When a sequence has more than ``threshold_blocks`` blocks (and
+block's score for a decode query combines every query head's upper bound of ``q . k`` over the
+block's pages: the sum over heads of each head's softmax of its bounds over the candidate blocks
+(``quest_scores.py``). When a sequence has more than ``threshold_blocks`` blocks (and
 more than ``topk_blocks + 3``), its first block (attention sink) and its two last blocks (the
 block being written and the one before it: the most recent tokens, a prompt's question, the answer
 so far) are read whatever the query, plus the ``topk_blocks`` best-scoring blocks between them.
-Prefill is dense. With tensor parallelism each rank holds a share of the heads; the scores are
-all-reduced (max) so that every rank selects the blocks TP=1 would.
+Prefill is dense. With tensor parallelism each rank holds a share of the heads; the scores (sums
+over heads) are all-reduced (sum) so that every rank selects the blocks TP=1 would.
 """
 import torch
 import torch.distributed as dist
 
 from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy
-from nanovllm.sparse.quest_scores import quest_scores
+from nanovllm.sparse.quest_scores import block_scores, quest_bounds
 from nanovllm.utils.distributed import tp_size
 
 QUEST_PAGE_SIZE = 16
@@ -79,7 +80,7 @@ class QuestPolicy(SparsePolicy):
         return [0, num_blocks - 2, num_blocks - 1]
 
     def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        scores = quest_scores(q, self.kmin[layer], self.kmax[layer], blocks.slots)
+        scores = block_scores(quest_bounds(q, self.kmin[layer], self.kmax[layer], blocks.slots), self.scale)
         if tp_size() > 1:  # this rank's heads -> all heads: every rank selects TP=1's blocks
-            dist.all_reduce(scores, op=dist.ReduceOp.MAX)
+            dist.all_reduce(scores, op=dist.ReduceOp.SUM)
         return select_top_blocks(scores, self.topk_blocks)

@@ -1,16 +1,23 @@
 """QUEST's block scores for decode queries (Tang et al., "Quest: Query-Aware Sparsity for Efficient
-Long-Context LLM Inference", ICML 2024).
+Long-Context LLM Inference", ICML 2024), one set of blocks for all heads of a layer.
 
 For a page of keys with element-wise bounds ``kmin``, ``kmax`` (``[Hkv, D]``) and a query ``q``,
 ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` is an upper bound of ``q . k`` over every key of the
-page; it equals ``kmax . max(q, 0) + kmin . min(q, 0)``. A block's score is the largest bound over
-its pages and all query heads (GQA: a query head uses its KV head's bounds).
+page; it equals ``kmax . max(q, 0) + kmin . min(q, 0)``. A block's bound for a query head is the
+largest over its pages (GQA: a query head uses its KV head's bounds).
 
-:func:`quest_scores` scores the candidate blocks of a decode batch straight from the bounds of one
-layer, indexed by metadata slot: on CUDA one Triton kernel (a program per (sequence, block, KV
-head) walks the block's pages; two ``tl.dot`` per tile with fp32 accumulation, the GQA group
-padded to 16 rows), so the bounds are read once and nothing is gathered or converted first; on
-CPU :func:`quest_scores_ref`.
+The paper selects pages per head. Here one selection serves every head of the layer, so the heads'
+bounds are combined (:func:`block_scores`): each head's bounds (times the softmax scale) become a
+softmax over the candidate blocks, that head's estimate of how its attention divides among them,
+and a block's score is the sum of these shares over the heads. Taking the largest bound over heads
+instead let any head whose bounds were large everywhere decide the selection; on SmolLM2 at 4K
+(docs/sparse.md) the per-head shares kept more of FULL's retrieval.
+
+:func:`quest_bounds` computes the bounds of the candidate blocks of a decode batch straight from
+one layer's bounds: on CUDA one Triton kernel (a program per (sequence, block, KV head) walks the
+block's pages; two ``tl.dot`` per tile with fp32 accumulation, the GQA group padded to 16 rows),
+so the bounds are read once and nothing is gathered or converted first; on CPU
+:func:`quest_bounds_ref`.
 """
 import torch
 
@@ -22,8 +29,8 @@ _BLOCK_P = 64
 _NUM_WARPS = 4
 
 
-def quest_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Upper bounds of q.k per block, over its pages and all query heads (plain torch).
+def quest_head_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of q.k per block and query head, over the block's pages (plain torch).
 
     Args:
         q: ``[S, Hq, D]``, one decode query per sequence.
@@ -31,15 +38,31 @@ def quest_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) 
             sequence, Hq a multiple of Hkv.
 
     Returns:
-        float32 ``[S, M]``: max over pages and query heads of ``sum_d max(q_d*kmin_d, q_d*kmax_d)``,
-        computed as ``kmax . max(q, 0) + kmin . min(q, 0)`` (no ``[.., heads, D]`` temporary).
+        float32 ``[S, M, Hq]``: max over pages of ``sum_d max(q_d*kmin_d, q_d*kmax_d)``, computed
+        as ``kmax . max(q, 0) + kmin . min(q, 0)`` (no ``[.., heads, D]`` temporary).
     """
     seqs, heads_q, dim = q.shape
     heads_kv = kmin.shape[-2]
     qg = q.float().view(seqs, heads_kv, heads_q // heads_kv, dim)
     upper = torch.einsum("smphd,shgd->smphg", kmax.float(), qg.clamp(min=0))
     upper += torch.einsum("smphd,shgd->smphg", kmin.float(), qg.clamp(max=0))
-    return upper.flatten(2).amax(2)
+    return upper.amax(2).flatten(2)
+
+
+def block_scores(bounds: torch.Tensor, scale: float) -> torch.Tensor:
+    """One score per candidate block from every head's bounds (module docstring).
+
+    Args:
+        bounds: float32 ``[S, M, Hq]`` from :func:`quest_bounds`, -inf for blocks that are not
+            candidates (for every head).
+        scale: the attention's softmax scale.
+
+    Returns:
+        float32 ``[S, M]``: per head, ``softmax`` over the candidate blocks of ``scale *
+        bounds``, summed over heads (in ``[0, Hq]``); -inf where a block is not a candidate.
+    """
+    shares = torch.softmax(bounds * scale, dim=1).nan_to_num_(0.0)  # a row without candidates: 0/0
+    return shares.sum(2).masked_fill_(torch.isneginf(bounds[..., 0]), float("-inf"))
 
 
 def _check_args(q, kmin, kmax, slots) -> None:
@@ -52,17 +75,17 @@ def _check_args(q, kmin, kmax, slots) -> None:
         raise ValueError(f"slots must be int64 [S={q.shape[0]}, M]; got {slots.dtype} {tuple(slots.shape)}")
 
 
-def quest_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Reference of :func:`quest_scores` (same arguments and result): the bounds gathered per
-    block, then :func:`quest_block_scores`."""
+def quest_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`quest_bounds` (same arguments and result): the bounds gathered per
+    block, then :func:`quest_head_bounds`."""
     _check_args(q, kmin, kmax, slots)
     index = slots.clamp(min=0)
-    scores = quest_block_scores(q, kmin[index], kmax[index])
-    return scores.masked_fill(slots < 0, float("-inf"))
+    bounds = quest_head_bounds(q, kmin[index], kmax[index])
+    return bounds.masked_fill((slots < 0)[..., None], float("-inf"))
 
 
 @triton.jit(do_not_specialize=["num_blocks", "stride_ss", "stride_os"])  # one variant whatever the batch
-def _quest_scores_kernel(
+def _quest_bounds_kernel(
     q_ptr, kmin_ptr, kmax_ptr, slots_ptr, out_ptr, num_blocks, num_pages,
     stride_qs, stride_qh, stride_bs, stride_bp, stride_bh, stride_ss, stride_os, stride_om,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -71,14 +94,15 @@ def _quest_scores_kernel(
     seq = tl.program_id(0) // num_blocks
     block = tl.program_id(0) % num_blocks
     kv_head = tl.program_id(1)
-    out = out_ptr + seq * stride_os + block * stride_om + kv_head
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    out = out_ptr + seq * stride_os + block * stride_om + kv_head * GROUP + g
     slot = tl.load(slots_ptr + seq * stride_ss + block)
     if slot < 0:
-        tl.store(out, float("-inf"))
+        tl.store(out, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
     else:
-        g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
-        g_mask, d_mask = g < GROUP, d < HEAD_DIM
+        d_mask = d < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         q_pos = tl.maximum(q, 0.0).to(kmax_ptr.dtype.element_ty)  # exact in q's dtype
@@ -95,11 +119,12 @@ def _quest_scores_kernel(
             bound = tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PRECISION)
             bound = tl.dot(q_neg, tl.trans(kmin), bound, input_precision=DOT_PRECISION)
             best = tl.maximum(best, tl.max(tl.where(p_mask[None, :], bound, float("-inf")), 1))
-        tl.store(out, tl.max(tl.where(g_mask, best, float("-inf")), 0))
+        tl.store(out, best, mask=g_mask)
 
 
-def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """QUEST scores of the candidate blocks of a decode batch, from one layer's bounds.
+def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """QUEST bounds of the candidate blocks of a decode batch per query head, from one layer's
+    key bounds.
 
     Args:
         q: ``[S, Hq, D]``, one decode query per sequence, float16/bfloat16/float32, ``D <= 256``.
@@ -108,32 +133,31 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots:
         slots: int64 ``[S, M]``: the slot of each candidate block of each sequence, -1 for none.
 
     Returns:
-        float32 ``[S, M]``: max over the block's pages and over query heads of ``kmax . max(q, 0) +
-        kmin . min(q, 0)``; -inf where ``slots`` is -1. Equal to :func:`quest_scores_ref` up to
-        float summation order (products of half-precision values are exact in fp32).
+        float32 ``[S, M, Hq]``: max over the block's pages of ``kmax . max(q, 0) + kmin . min(q,
+        0)``; -inf where ``slots`` is -1. Equal to :func:`quest_bounds_ref` up to float summation
+        order (products of half-precision values are exact in fp32).
 
     Raises:
         ValueError: shapes or dtypes that disagree, Hq not a multiple of Hkv, D outside 1..256.
 
-    CUDA: one launch over ``S * M * Hkv`` programs and a max over the KV heads. CPU (or float64):
-    :func:`quest_scores_ref`.
+    CUDA: one launch over ``S * M * Hkv`` programs. CPU (or float64): :func:`quest_bounds_ref`.
     """
     _check_args(q, kmin, kmax, slots)
     if q.dtype == torch.float64 or not use_triton(q):
-        return quest_scores_ref(q, kmin, kmax, slots)
+        return quest_bounds_ref(q, kmin, kmax, slots)
     seqs, heads_q, dim = q.shape
     num_blocks, (_, num_pages, heads_kv, _) = slots.shape[1], kmin.shape
+    bounds = torch.empty(seqs, num_blocks, heads_q, dtype=torch.float32, device=q.device)
     if seqs * num_blocks == 0:
-        return torch.empty(seqs, num_blocks, dtype=torch.float32, device=q.device)
-    partial = torch.empty(seqs, num_blocks, heads_kv, dtype=torch.float32, device=q.device)
+        return bounds
     if kmin.stride(-1) != 1 or kmax.stride() != kmin.stride() or q.stride(-1) != 1 or not slots.is_contiguous():
         q, kmin, kmax, slots = q.contiguous(), kmin.contiguous(), kmax.contiguous(), slots.contiguous()
     group = heads_q // heads_kv
-    _quest_scores_kernel[(seqs * num_blocks, heads_kv)](
-        q, kmin, kmax, slots, partial, num_blocks, num_pages,
+    _quest_bounds_kernel[(seqs * num_blocks, heads_kv)](
+        q, kmin, kmax, slots, bounds, num_blocks, num_pages,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), slots.stride(0),
-        partial.stride(0), partial.stride(1),
+        bounds.stride(0), bounds.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(MIN_DOT_ROWS, next_pow2(group)), BLOCK_D=block_dim(dim),
         BLOCK_P=_BLOCK_P, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=_NUM_WARPS,
     )
-    return partial.amax(2)
+    return bounds

@@ -237,8 +237,21 @@ def test_apply_rotary_matches_reference(dtype):
         assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens,d", [(1, 3072), (256, 3072), (37, 1536), (5, 1100), (0, 3072)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_with_qk_norm_matches_reference(dtype):
+    """Qwen3's per-head q/k RMSNorm fused into the RoPE launch, against rms_norm_ref then the
+    rotation (Qwen3-0.6B's heads: 16/8 x 128)."""
+    dim, tokens = 128, 333
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim)))
+    cache = torch.stack((angles.cos(), angles.sin()))
+    qkv = torch.randn(tokens, 32 * dim, device=DEVICE).mul_(4).to(dtype)
+    q, k = qkv[:, :16 * dim].view(tokens, 16, dim), qkv[:, 16 * dim:24 * dim].view(tokens, 8, dim)
+    qk_norm = ((torch.rand(dim, device=DEVICE) + 0.5).to(dtype), (torch.rand(dim, device=DEVICE) + 0.5).to(dtype), 1e-6)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm), apply_rotary_ref(positions, q, k, cache, qk_norm)):
+        assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def _silu_tolerance(dtype):
     """Relative bound of the kernel vs :func:`silu_and_mul_ref`: one unit in the last place (2u,
     u the unit roundoff) for bfloat16/float16; for float32 the GPU's approximate exp2 and division

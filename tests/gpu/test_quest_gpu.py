@@ -11,7 +11,7 @@ import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
 from nanovllm.sparse import QuestPolicy
-from nanovllm.sparse.quest_scores import quest_scores, quest_scores_ref
+from nanovllm.sparse.quest_scores import quest_bounds, quest_bounds_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # Hq, Hkv,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_quest_scores_kernel_equals_reference(shape, dtype):
+def test_quest_bounds_kernel_equals_reference(shape, dtype):
     """4,096-token blocks (256 pages), 3 sequences over 40 slots with padding and fixed blocks."""
     heads_q, heads_kv, dim = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -30,8 +30,8 @@ def test_quest_scores_kernel_equals_reference(shape, dtype):
     slots = torch.randint(0, 40, (3, 33), device="cuda", generator=gen)
     slots[:, 0] = slots[:, -1] = -1
     slots[2, 20:] = -1
-    got, want = quest_scores(q, kmin, kmax, slots), quest_scores_ref(q, kmin, kmax, slots)
-    assert torch.equal(torch.isinf(got), slots < 0)
+    got, want = quest_bounds(q, kmin, kmax, slots), quest_bounds_ref(q, kmin, kmax, slots)
+    assert torch.equal(torch.isinf(got), (slots < 0)[..., None].expand_as(got))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
 
 
