@@ -198,6 +198,21 @@ def test_prefill_ref_without_cache():
     assert_close(out[4:], naive_attention(q[4:], k[4:], v[4:], 0.5, True)[0], 1e-10)
 
 
+@pytest.mark.parametrize("prefixes", [[5, 2, 0, 9, 3], [0, 0, 0, 0, 0], [0, 0, 4, 0, 0], [7, 0, 0, 0, 0]])
+def test_packed_context_is_each_sequence_prefix_then_rows(prefixes):
+    """The varlen prefill's packed keys/values (CUDA path, built on any device): per non-empty
+    sequence, its cached prefix then its new rows."""
+    from nanovllm.ops.prefill_attention import _packed_context, _sequences
+
+    seqlens_q = [3, 0, 4, 1, 6]
+    q, k, v, seqlens_k, k_cache, v_cache, tables, keys, values = prefill_case(torch.float32, seqlens_q, prefixes)
+    seqs = list(_sequences(seqlens_q, seqlens_k))
+    for which, new, full, cache in ((0, k, keys, k_cache), (1, v, values, v_cache)):
+        packed = _packed_context(which, new, cache, seqs, tables, {})
+        assert torch.equal(packed, torch.cat([full[i] for i, n in enumerate(seqlens_q) if n]))
+        assert (packed is new) == (not any(p for p, n in zip(prefixes, seqlens_q) if n))
+
+
 @pytest.mark.parametrize("heads_q,heads_kv", [(3, 3), (6, 2), (8, 2)])
 def test_decode_ref_matches_math(heads_q, heads_kv):
     contexts = [0, 1, 7, 13, 8]

@@ -105,12 +105,17 @@ def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, 
 
 
 def _packed_context(which, k, cache, seqs, block_tables, prefixes) -> torch.Tensor:
-    """Keys (or values) of all sequences packed: the new rows, preceded for a sequence with a
-    prefix by that prefix."""
-    if not any(prefix for _, _, prefix in seqs):
+    """Keys (or values) of all sequences packed: the new rows, each prefixed sequence's prefix
+    inserted before its rows. The rows between two prefixes are one slice (a chunk usually has
+    one prefixed sequence: one cat of three pieces, not a slice per sequence)."""
+    pieces, start = [], 0
+    for i, rows, prefix in seqs:
+        if prefix:
+            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype)]
+            start = rows.start
+    if not pieces:
         return k
-    return torch.cat([torch.cat([_prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype), k[rows]])
-                      if prefix else k[rows] for i, rows, prefix in seqs])
+    return torch.cat([*pieces, k[start:]])
 
 
 def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
