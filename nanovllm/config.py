@@ -101,8 +101,8 @@ class Config:
             host (CUDA: needs ``data_parallel_size * tensor_parallel_size`` GPUs), or under
             torchrun, where WORLD_SIZE must equal ``data_parallel_size * tensor_parallel_size``.
         enforce_eager: disable CUDA graphs for decode.
-        async_scheduling: overlap the host's scheduling and input preparation of a decode step
-            with the device's previous step (vLLM's name; ``nanovllm.engine.async_step`` says
+        async_scheduling: overlap the host's scheduling and input preparation of a step (decode,
+            or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.async_step`` says
             when it overlaps). None (default): on where it can be, i.e. on CUDA with
             ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
             QUEST, else off; the resolved bool is stored here. True forces it (ValueError where

@@ -24,16 +24,26 @@ ENGINE = dict(max_model_len=1024, num_kvcache_blocks=16, max_num_seqs=16)
 
 
 class AheadCounter:
-    """Counts the decode steps launched with device input ids (scheduled ahead)."""
+    """Counts the steps scheduled ahead: decode steps launched with device input ids
+    (``ahead``), prefill steps launched while an earlier step was not yet postprocessed
+    (``prefill_ahead``, of ``prefill`` launched)."""
 
     def __init__(self, llm):
-        self.ahead, run = 0, llm.model_runner.run
+        self.ahead = self.prefill = self.prefill_ahead = self.unread = 0
+        run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
 
         def counting_run(seqs, is_prefill, generators=None, spills=(), input_ids=None):
             self.ahead += input_ids is not None
+            self.prefill += is_prefill
+            self.prefill_ahead += is_prefill and self.unread > 0
+            self.unread += 1
             return run(seqs, is_prefill, generators, spills, input_ids)
 
-        llm.model_runner.run = counting_run
+        def counting_postprocess(*args, **kwargs):
+            self.unread -= 1
+            return postprocess(*args, **kwargs)
+
+        llm.model_runner.run, llm.scheduler.postprocess = counting_run, counting_postprocess
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +267,51 @@ def test_a_failed_step_ahead_releases_its_requests(engines, monkeypatch):
     bm = on.scheduler.block_manager
     assert on.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks
     assert_same_generate(engines, prompts, params)
+
+
+@pytest.fixture(scope="module")
+def chunked_engines(qwen3_dir):
+    """A token budget of 96, so that a batch of prompts is prefilled over many steps."""
+    kwargs = dict(ENGINE, max_num_batched_tokens=96)
+    on, off = (build_llm(qwen3_dir, async_scheduling=flag, **kwargs) for flag in (True, False))
+    counter = AheadCounter(on)
+    yield on, off, counter
+    on.shutdown()
+    off.shutdown()
+
+
+def test_prefill_chunks_scheduled_ahead(chunked_engines):
+    """No first token can stop its sequence (ignore_eos, max_tokens > 1): every prefill chunk after
+    the first is launched before the one before it is read. Two prompts share a 300-token prefix,
+    so the second hits the blocks the first commits while its chunks are in flight; outputs,
+    block counts and prefix-cache hits are the synchronous loop's."""
+    on, off, counter = chunked_engines
+    shared = random_prompt(300, seed=970)
+    prompts = [shared + random_prompt(20, seed=971), random_prompt(150, seed=972), shared + random_prompt(45, seed=973),
+               random_prompt(70, seed=974)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 9, 4, 12)]
+    hits = off.get_kv_cache_stats()["prefix_cache_hit_tokens"]
+    before, launched = counter.prefill_ahead, counter.prefill
+    assert_same_generate(chunked_engines, prompts, params)
+    assert counter.prefill - launched >= 6
+    assert counter.prefill_ahead - before == counter.prefill - launched - 1
+    assert off.get_kv_cache_stats()["prefix_cache_hit_tokens"] >= hits + 256
+
+
+def test_prefill_not_ahead_where_a_first_token_may_stop(chunked_engines):
+    """Eos, a stop token id, a stop string or max_tokens=1 could end a sequence on the token its
+    last chunk samples, which frees its blocks before the next chunk is scheduled: that chunk is
+    read first. Every chunk here completes a prompt (70-90 tokens each, 96 per chunk), so none is
+    launched ahead: seeded sampling with eos, a stop id, a stop string, length stops on the first
+    token."""
+    on, off, counter = chunked_engines
+    prompts = [random_prompt(n, seed=980 + n) for n in (70, 80, 90, 85, 75)]
+    for params in ([SamplingParams(temperature=0.8, seed=5, max_tokens=8)] * 5,
+                   [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[7])] * 5,
+                   [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["w1 "])] * 5,
+                   [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)] * 5):
+        before = counter.prefill_ahead
+        ref = off.generate(prompts, params, use_tqdm=False)
+        assert comparable(on.generate(prompts, params, use_tqdm=False)) == comparable(ref)
+        assert counter.prefill_ahead == before
+        assert_no_blocks_held(on, off)

@@ -175,3 +175,26 @@ def test_sequence_pickles_as_its_step_for_workers():
     assert len(pickle.dumps(seq)) < 300
     seq.num_computed_tokens, seq.num_scheduled_tokens = 256, 512  # a prefill chunk
     assert pickle.loads(pickle.dumps(seq)).token_ids[256:768] == list(range(266, 778))
+
+
+@pytest.mark.parametrize("kwargs, eos, expected", [
+    ({}, {0}, True),                                          # eos
+    ({}, set(), False),                                       # a model without eos ids
+    ({"ignore_eos": True}, {0}, False),
+    ({"ignore_eos": True, "stop_token_ids": [5]}, {0}, True),
+    ({"min_tokens": 2}, {0}, False),                          # ids count from the 2nd token on
+    ({"min_tokens": 1}, {0}, True),
+    ({"ignore_eos": True, "stop": ["x"]}, {0}, True),        # a stop string
+    ({"ignore_eos": True, "stop": ["x"], "min_tokens": 1}, {0}, False),  # strings after min_tokens
+])
+def test_may_stop_on_token_follows_check_stop(kwargs, eos, expected):
+    """Whether a prefill's first sampled token could end the sequence by its value (what the
+    prefill scheduled ahead must rule out), against check_stop's rules."""
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.engine.stopping import IncrementalDetokenizer, may_stop_on_token
+
+    params = SamplingParams(max_tokens=8, **kwargs)
+    seq = Sequence(list(range(10, 40)), params, 256)
+    if params.stop:
+        seq.detokenizer = IncrementalDetokenizer(None, params)
+    assert may_stop_on_token(seq, eos) is expected

@@ -1,5 +1,5 @@
-"""The engine's step loop, with async scheduling: the host schedules and prepares decode step N+1
-while the device runs step N (vLLM's ``--async-scheduling``, SGLang's overlap scheduler).
+"""The engine's step loop, with async scheduling: the host schedules and prepares step N+1 while
+the device runs step N (vLLM's ``--async-scheduling``, SGLang's overlap scheduler).
 
 Step N's sampled tokens stay on the device and are step N+1's input ids; the host reads them
 (and the logprobs) one step later, after launching N+1, for the stop checks, detokenization,
@@ -7,13 +7,21 @@ logprobs and block bookkeeping. Until then each sequence holds a placeholder tok
 (``sequence.PLACEHOLDER_TOKEN``), so lengths, positions and slots of step N+1 are right.
 
 When it overlaps: ``Config.async_scheduling`` is on (the CUDA default where supported: tensor
-parallelism 1, no host KV tier, a sparse policy other than QUEST; see ``Config``); a decode step is then
-launched without waiting for it, and the next step is launched before reading it when
-:meth:`Scheduler.schedule_decode_ahead` can schedule it, i.e. when it is a decode step of the same
-sequences (those reaching ``max_tokens`` / ``max_model_len`` left out): nothing waits to be
-admitted, and its new blocks need no preemption and drop no cached prefix. Otherwise (a prefill
-step, a waiting request, a preemption, a full cache) the in-flight step is read first and the next
-one scheduled as in the synchronous loop. Either way the steps are the synchronous loop's, except
+parallelism 1, no host KV tier, a sparse policy other than QUEST; see ``Config``); every step is
+then launched without waiting for it, and the next step is launched before reading it when the
+scheduler can schedule it without the step's tokens:
+
+- after a decode step, :meth:`Scheduler.schedule_decode_ahead`: a decode step of the same
+  sequences (those reaching ``max_tokens`` / ``max_model_len`` left out), when nothing waits to be
+  admitted and its new blocks need no preemption and drop no cached prefix;
+- after a prefill step, :meth:`Scheduler.schedule_prefill_ahead`: the next prefill chunk, when
+  requests wait and no sequence completing its prompt in the step can stop on its first token
+  (by length, or by its value: eos, stop token ids, stop strings), so that reading the tokens
+  would change nothing the scheduler looks at (e.g. ``ignore_eos`` or ``min_tokens`` > 1).
+
+Otherwise (the first decode step after prefill, a prefill after decode, a preemption, a full
+cache, a first token that may stop its sequence) the in-flight step is read first and the next one
+scheduled as in the synchronous loop. Either way the steps are the synchronous loop's, except
 that a sequence stopping on a sampled token (eos, stop token id, stop string) is computed in one
 more step, whose token, logprobs and KV are dropped (its blocks are freed when its stop is read).
 Block counts and the prefix cache end as in the synchronous loop. Outputs (greedy, seeded) are
@@ -31,12 +39,14 @@ from nanovllm.utils.tensors import to_device
 
 
 class InFlightStep:
-    """A decode step launched without waiting: its sequences, its sampled tokens on the device
-    (int64 ``[len(seqs)]``, the next step's input ids) and a host copy of its results, started
-    at launch and read by :meth:`output`."""
+    """A step launched without waiting: its sequences, whether it is a prefill step, the tokens it
+    launched (positive for prefill, negative for decode, as :meth:`StepLoop.step` returns), its
+    sampled tokens on the device (a decode step's: int64 ``[len(seqs)]``, the next step's input
+    ids) and a host copy of its results, started at launch and read by :meth:`output`."""
 
-    def __init__(self, seqs: list[Sequence], sampled: SampledStep):
-        self.seqs, self.tokens = seqs, sampled.tokens
+    def __init__(self, seqs: list[Sequence], is_prefill: bool, sampled: SampledStep):
+        self.seqs, self.is_prefill, self.tokens = seqs, is_prefill, sampled.tokens
+        self.num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         self._host = sampled.to_host()
         self._copied = None
         if sampled.tokens.is_cuda:
@@ -81,12 +91,13 @@ class StepLoop:
         finished = []
         if self.in_flight is not None:
             previous = self.in_flight
-            self.in_flight = launched = self._launch_ahead(previous)
-            finished = self._finish(previous.seqs, previous.output())
+            batch = self._schedule_ahead(previous)
+            self.in_flight = launched = self._launch_ahead(previous, batch) if batch else None
+            finished = self._finish(previous.seqs, previous.output(), advanced=batch is not None)
             if launched is not None:
                 if all(seq.is_finished for seq in launched.seqs):  # all stopped in `previous`: nothing to read
                     self.in_flight = None
-                return finished, -len(launched.seqs)
+                return finished, launched.num_tokens
         if self.scheduler.is_finished():
             return finished, 0
         seqs, is_prefill = self.scheduler.schedule()
@@ -94,24 +105,30 @@ class StepLoop:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_spills())
-        if self.overlap and not is_prefill:
-            self.in_flight = InFlightStep(seqs, sampled)
+        if self.overlap:
+            self.in_flight = InFlightStep(seqs, is_prefill, sampled)
             return finished, num_tokens
         return finished + self._finish(seqs, sampled.output()), num_tokens
 
-    def _launch_ahead(self, previous: InFlightStep) -> InFlightStep | None:
-        """Launch the decode step after ``previous`` before reading it, if the scheduler can
-        schedule it (:meth:`Scheduler.schedule_decode_ahead`); None otherwise."""
-        batch = self.scheduler.schedule_decode_ahead(previous.seqs)
-        if batch is None:
-            return None
-        sampled = self.runner.run(batch, False, self.generators, self.scheduler.take_spills(),
-                                  previous.input_ids(batch))
-        return InFlightStep(batch, sampled)
+    def _schedule_ahead(self, previous: InFlightStep) -> list[Sequence] | None:
+        """The step after ``previous``, scheduled before its tokens are read (its sequences are
+        advanced then), or None when the scheduler needs them (nothing was changed). A prefill
+        step may have nothing to launch after it (an empty list)."""
+        if previous.is_prefill:
+            return self.scheduler.schedule_prefill_ahead(previous.seqs)
+        return self.scheduler.schedule_decode_ahead(previous.seqs)
 
-    def _finish(self, seqs: list[Sequence], out: StepOutput) -> list[Sequence]:
+    def _launch_ahead(self, previous: InFlightStep, batch: list[Sequence]) -> InFlightStep:
+        """Launch ``batch``, the step after ``previous``, before reading ``previous`` (a decode
+        step's input ids are ``previous``'s tokens on the device)."""
+        input_ids = None if previous.is_prefill else previous.input_ids(batch)
+        sampled = self.runner.run(batch, previous.is_prefill, self.generators, self.scheduler.take_spills(),
+                                  input_ids)
+        return InFlightStep(batch, previous.is_prefill, sampled)
+
+    def _finish(self, seqs: list[Sequence], out: StepOutput, advanced: bool = False) -> list[Sequence]:
         out.record(seqs)
-        finished = self.scheduler.postprocess(seqs, out.token_ids)
+        finished = self.scheduler.postprocess(seqs, out.token_ids, advanced)
         for seq in finished:
             self.generators.pop(seq.seq_id, None)
         return finished

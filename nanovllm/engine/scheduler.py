@@ -4,7 +4,7 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from nanovllm.engine.stopping import check_stop, reaches_length_limit
+from nanovllm.engine.stopping import check_stop, may_stop_on_token, reaches_length_limit
 from nanovllm.kvcache.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
@@ -21,8 +21,9 @@ class Scheduler:
     both tiers are full, the most recently admitted running sequence is preempted and later
     recomputed. The spills decided for a step go to the model runner with it (:meth:`take_spills`).
 
-    With async scheduling, :meth:`schedule_decode_ahead` schedules the decode step after one still
-    running on the device, before its tokens are known (``nanovllm.engine.async_step``).
+    With async scheduling, :meth:`schedule_decode_ahead` and :meth:`schedule_prefill_ahead`
+    schedule the step after one still running on the device, before its tokens are known
+    (``nanovllm.engine.async_step``).
     """
 
     def __init__(self, config: Config, block_manager: BlockManager):
@@ -134,6 +135,31 @@ class Scheduler:
             seq.num_scheduled_tokens = 1
         return batch
 
+    def schedule_prefill_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The prefill step after ``seqs``, a prefill step whose sampled tokens are still on the
+        device, scheduled as the synchronous loop would after :meth:`postprocess`; or None when
+        that needs those tokens (nothing is changed then).
+
+        Possible when requests wait (the synchronous loop prefills next) and no sequence that
+        completes its prompt in ``seqs`` can stop on its first token, by length or by the token's
+        value (:func:`may_stop_on_token`): its stop would free blocks and a sequence slot before
+        the next step is scheduled. Postprocessing then changes nothing the scheduler reads but
+        the progress of ``seqs``, which is made here: each is advanced (a placeholder for the
+        token of those that complete their prompt) and its full blocks are committed to the
+        prefix cache, so later prompts hit them as in the synchronous loop. The result may be
+        empty (nothing can be admitted yet); ``seqs`` are advanced all the same.
+        """
+        if not self.waiting:
+            return None
+        completing = {seq.seq_id for seq in seqs if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)}
+        if any(reaches_length_limit(seq, self.max_model_len, 1) or may_stop_on_token(seq, self.eos_token_ids)
+               for seq in seqs if seq.seq_id in completing):
+            return None
+        for seq in seqs:
+            self._advance(seq, sampled=seq.seq_id in completing)
+            self.block_manager.commit(seq)
+        return self._schedule_prefill()
+
     @staticmethod
     def _advance(seq: Sequence, sampled: bool):
         """The step's KV is computed; its sampled token (if any) is a placeholder until known."""
@@ -142,19 +168,19 @@ class Scheduler:
         if sampled:
             seq.append_token(PLACEHOLDER_TOKEN)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None], advanced: bool = False) -> list[Sequence]:
         """Advance KV progress, append sampled tokens, finish sequences; return the finished ones.
 
         ``token_ids[i]`` is None for a prefill chunk that did not reach the end of its sequence.
-        A sequence advanced already (its token a placeholder: the next step was scheduled ahead)
-        gets its token filled in; one finished already (computed once more by an overlapped step
-        after it stopped) is left as it is.
+        ``advanced``: the step after ``seqs`` was scheduled ahead, which advanced them already
+        (their tokens are placeholders, filled in here). A sequence finished already (computed
+        once more by an overlapped step after it stopped) is left as it is.
         """
         finished = []
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
-            if not seq.awaits_token:
+            if not advanced:
                 self._advance(seq, sampled=token_id is not None)
             if token_id is not None:
                 seq.fill_token(token_id)

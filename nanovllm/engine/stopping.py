@@ -65,6 +65,16 @@ def reaches_length_limit(seq: Sequence, max_model_len: int, num_new_tokens: int 
             or (max_tokens is not None and seq.num_completion_tokens + num_new_tokens >= max_tokens))
 
 
+def may_stop_on_token(seq: Sequence, eos_token_ids: set[int]) -> bool:
+    """Whether the next sampled token could end ``seq`` by its value, as :func:`check_stop` would
+    decide once it is appended: an eos id (unless ``ignore_eos``) or a stop token id once
+    ``min_tokens`` are generated, a stop string once more than ``min_tokens`` are."""
+    params = seq.sampling_params
+    generated = seq.num_completion_tokens + 1
+    by_id = generated >= params.min_tokens and bool(params.stop_token_ids or (eos_token_ids and not params.ignore_eos))
+    return by_id or (seq.detokenizer is not None and generated > params.min_tokens)
+
+
 def check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int],
                max_model_len: int) -> tuple[str | None, int | str | None]:
     """``(finish_reason, stop_reason)`` after ``token_id`` was appended to ``seq``:
