@@ -57,11 +57,18 @@ def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=T
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+_DEPRECATED_NAMES = ("num_gpu_blocks",)
+"""Config fields kept for old callers (each warns and says its new name); not listed in errors."""
+
 _VLLM_HINTS = {
     "swap_space": "the host tier of the KV cache is enable_cpu_offload=True with num_cpu_kvcache_blocks or "
                   "cpu_memory_utilization",
     "cpu_offload_gb": "weights stay on the GPU; the KV cache's host tier is enable_cpu_offload=True",
     "quantization": "quantized weights are not supported",
+    "block_size": "the KV block is kvcache_block_size (tokens, a multiple of 256)",
+    "num_gpu_blocks_override": "the GPU tier's size is num_kvcache_blocks",
+    "enable_chunked_prefill": "chunked prefill is always on; max_num_batched_tokens sets the chunk",
+    "kv_cache_dtype": "the KV cache has the model's dtype",
 }
 
 
@@ -73,8 +80,9 @@ def check_engine_args(kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - known)
     if unknown:
         hints = "".join(f"; {name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS)
-        raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}{hints} (nanovllm's arguments are the "
-                         f"fields of nanovllm.config.Config: {', '.join(sorted(known))})")
+        listed = sorted((known - set(_DEPRECATED_NAMES)) | {"revision", "download_dir"})
+        raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}{hints} (nanovllm's arguments are "
+                         f"revision, download_dir and the fields of nanovllm.config.Config: {', '.join(listed)})")
 
 
 @dataclass

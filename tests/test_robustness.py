@@ -165,15 +165,18 @@ def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
 
 @pytest.mark.parametrize("kwargs,shown", [
     (dict(swap_space=4), r"unknown engine argument\(s\) swap_space; swap_space: the host tier .*enable_cpu_offload"),
-    (dict(max_seq_len=9, block_size=16), r"unknown engine argument\(s\) block_size, max_seq_len \(nanovllm's"),
+    (dict(max_seq_len=9, block_size=16), r"unknown engine argument\(s\) block_size, max_seq_len; block_size: the KV "
+                                          r"block is kvcache_block_size .* \(nanovllm's arguments are revision, "
+                                          r"download_dir and the fields of nanovllm.config.Config: .*kvcache_block_size"),
     (dict(enable_prefix_caching=False), r"enable_prefix_caching=False is not supported"),
     (dict(num_cpu_kvcache_blocks=8), r"num_cpu_kvcache_blocks=8 sizes the host tier, which needs enable_cpu_offload"),
-    (dict(eos_token_ids=[5]), r"unknown engine argument\(s\) eos_token_ids \(nanovllm's arguments are the fields"),
+    (dict(eos_token_ids=[5]), r"unknown engine argument\(s\) eos_token_ids \(nanovllm's arguments are revision"),
 ])
 def test_engine_arguments_nanovllm_does_not_take(qwen3_dir, kwargs, shown):
     """vLLM arguments raised a bare TypeError from Config; a host-tier size without the tier was ignored."""
-    with pytest.raises(ValueError, match=shown):
+    with pytest.raises(ValueError, match=shown) as error:
         build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, **kwargs)
+    assert "num_gpu_blocks," not in str(error.value)  # deprecated names are not offered
 
 
 def test_vllm_tokenizer_arguments(qwen3_dir, tmp_path):
