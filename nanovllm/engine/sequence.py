@@ -142,11 +142,6 @@ class Sequence:
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
 
-    @property
-    def awaits_token(self) -> bool:
-        """The last token is :data:`PLACEHOLDER_TOKEN` (sampled on the device, not yet read)."""
-        return self.token_ids[-1] == PLACEHOLDER_TOKEN
-
     def fill_token(self, token_id: int):
         """Replace the trailing placeholder with the sampled ``token_id``."""
         self.token_ids[-1] = token_id
