@@ -97,7 +97,8 @@ def best_triton(x, weights, n) -> dict:
 def main() -> None:
     results = {}
     for name, (n, k) in SHAPES.items():
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(4 if name != "lm_head" else 1)]
+        copies = 4 if name != "lm_head" else 1
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(copies)]
         for m in BATCHES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cycle = itertools.cycle(weights)

@@ -5,7 +5,8 @@ prompts (2 tokens each, so every prefill shape is compiled). Then bench.py's 256
 added and the engine steps through their prefill chunks twice over fresh prompts (no prefix-cache
 hits): once with host phases timed around the engine's methods (as ``profile_decode``) and
 ``torch.cuda.set_sync_debug_mode("warn")`` counting synchronizing CUDA calls by call site, once
-under the torch profiler (CUDA kernels summed by category, FlashAttention apart from the GEMMs). Prints one JSON document.
+under the torch profiler (CUDA kernels summed by category, FlashAttention apart from the GEMMs).
+Prints one JSON document.
 
     python -m benchmarks.profile_bench_prefill      # CUDA only
 """

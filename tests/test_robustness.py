@@ -165,9 +165,10 @@ def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
 
 @pytest.mark.parametrize("kwargs,shown", [
     (dict(swap_space=4), r"unknown engine argument\(s\) swap_space; swap_space: the host tier .*enable_cpu_offload"),
-    (dict(max_seq_len=9, block_size=16), r"unknown engine argument\(s\) block_size, max_seq_len; block_size: the KV "
-                                          r"block is kvcache_block_size .* \(nanovllm's arguments are revision, "
-                                          r"download_dir and the fields of nanovllm.config.Config: .*kvcache_block_size"),
+    (dict(max_seq_len=9, block_size=16),
+     r"unknown engine argument\(s\) block_size, max_seq_len; block_size: the KV block is kvcache_block_size .* "
+     r"\(nanovllm's arguments are revision, download_dir and the fields of nanovllm.config.Config: "
+     r".*kvcache_block_size"),
     (dict(enable_prefix_caching=False), r"enable_prefix_caching=False is not supported"),
     (dict(num_cpu_kvcache_blocks=8), r"num_cpu_kvcache_blocks=8 sizes the host tier, which needs enable_cpu_offload"),
     (dict(eos_token_ids=[5]), r"unknown engine argument\(s\) eos_token_ids \(nanovllm's arguments are revision"),

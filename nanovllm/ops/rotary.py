@@ -131,7 +131,8 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         return _rotary_torch(positions, q, k, cos_sin_cache)
     tokens, heads_q, dim = q.shape
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without NORM
     if tokens:
         _rotary_kernel[(tokens,)](

@@ -242,13 +242,15 @@ def test_apply_rotary_with_qk_norm_matches_reference(dtype):
     """Qwen3's per-head q/k RMSNorm fused into the RoPE launch, against rms_norm_ref then the
     rotation (Qwen3-0.6B's heads: 16/8 x 128)."""
     dim, tokens = 128, 333
-    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim)))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), inv_freq)
     cache = torch.stack((angles.cos(), angles.sin()))
     qkv = torch.randn(tokens, 32 * dim, device=DEVICE).mul_(4).to(dtype)
     q, k = qkv[:, :16 * dim].view(tokens, 16, dim), qkv[:, 16 * dim:24 * dim].view(tokens, 8, dim)
     qk_norm = ((torch.rand(dim, device=DEVICE) + 0.5).to(dtype), (torch.rand(dim, device=DEVICE) + 0.5).to(dtype), 1e-6)
     positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
-    for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm), apply_rotary_ref(positions, q, k, cache, qk_norm)):
+    expected = apply_rotary_ref(positions, q, k, cache, qk_norm)
+    for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm), expected):
         assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
