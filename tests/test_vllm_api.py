@@ -93,6 +93,18 @@ def test_prompt_forms_give_the_same_tokens(llm):
     assert len(single) == 1 and single[0]["token_ids"] == outs[0]["token_ids"]
 
 
+def test_vllm_prompt_types(llm):
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` ports as ``nanovllm.inputs``."""
+    from nanovllm.inputs import TextPrompt, TokensPrompt
+
+    text = "qudfpgs yvgdpmigu akpy"
+    ids = llm.get_tokenizer().encode(text)
+    outs = llm.generate([TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids),
+                         TokensPrompt(prompt_token_ids=ids, prompt="shown")], greedy(6), use_tqdm=False)
+    assert len({tuple(o["token_ids"]) for o in outs}) == 1
+    assert [o.prompt for o in outs] == [text, None, "shown"]
+
+
 @pytest.mark.parametrize("bad,shown", [
     ({"prompt": 5}, r"a dict prompt's 'prompt' must be a string, got int"),
     ({"prompt": "a", "prompt_token_ids": 7}, r"'prompt_token_ids' must be a list of token ids, got int"),
