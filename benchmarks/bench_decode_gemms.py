@@ -2,7 +2,7 @@
 
 ``y [M, N] = x [M, K] @ w [N, K]^T`` for the layer GEMMs (qkv, o_proj, gate_up, down) and the LM
 head at decode batch sizes M. Each candidate is timed inside a CUDA graph of 28 calls (one per
-layer), cycling through 4 weight copies so that the weights come from HBM, not L2, as in a
+layer; the median replay of ``bench_ops.graph_ms``), cycling through 4 weight copies so that the weights come from HBM, not L2, as in a
 decode step. The Triton candidate is a plain tiled GEMM (tiles ``BM x BN``, ``BK`` = 128,
 optional split-K through float32 atomics; its zeroing and cast are timed with it), each tile
 checked against ``torch.nn.functional.linear`` before it is timed. Prints one JSON document:
@@ -17,6 +17,8 @@ import json
 import torch
 import triton
 import triton.language as tl
+
+from benchmarks.bench_ops import graph_ms
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (151936, 1024)}
@@ -57,21 +59,7 @@ def triton_gemm(x, w, out, acc, bm, bn, split):
 
 def graph_us(fn) -> float:
     """Microseconds per call of ``fn`` inside a CUDA graph of ``LAYERS`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 10 / LAYERS
+    return graph_ms(lambda: [fn() for _ in range(LAYERS)]) * 1e3 / LAYERS
 
 
 def best_triton(x, weights, n) -> dict:

@@ -33,7 +33,9 @@ def _paged(contexts, heads_kv, dim):
     return k_cache, v_cache, tables
 
 
-def _graph_ms(fn) -> float:
+def graph_ms(fn) -> float:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph (launch gaps as in the engine's
+    decode graphs)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -47,7 +49,7 @@ def bench_decode(batch, context, heads_q=32, heads_kv=8, dim=128, num_splits=Non
     k_cache, v_cache, tables = _paged([context] * batch, heads_kv, dim)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads_q, dim, device="cuda", dtype=DTYPE)
-    ms = _graph_ms(lambda: decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, num_splits=num_splits))
+    ms = graph_ms(lambda: decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, num_splits=num_splits))
     kv_bytes = 2 * batch * context * heads_kv * dim * k_cache.element_size()
     keys = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     values = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()

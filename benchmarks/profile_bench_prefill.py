@@ -55,9 +55,15 @@ def count_syncs(counter: collections.Counter):
     warnings.simplefilter("always")
 
 
-def main() -> None:
+def warm_engine() -> LLM:
+    """bench.py's engine after a warm-up batch that compiled every prefill shape."""
     llm = LLM(cached_random_checkpoint("qwen3-0.6b"), max_model_len=4096)
     llm.generate(random_prompts(1), SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def main() -> None:
+    llm = warm_engine()
     prompts, params = workload(256, 1024, 1024)
     host, syncs = collections.defaultdict(float), collections.Counter()
     timed_phases(llm, host)
@@ -69,8 +75,7 @@ def main() -> None:
               "host_ms_per_chunk": {k: round(v * 1e3 / len(walls), 2) for k, v in host.items()},
               "synchronizing_calls": dict(syncs.most_common(10))}
     llm.shutdown()
-    llm = LLM(cached_random_checkpoint("qwen3-0.6b"), max_model_len=4096)
-    llm.generate(random_prompts(1), SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm = warm_engine()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         walls = prefill_steps(llm, random_prompts(2), params)
     by_category = collections.defaultdict(float)

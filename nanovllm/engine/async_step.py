@@ -38,6 +38,12 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.tensors import to_device
 
 
+def launched_tokens(seqs: list[Sequence], is_prefill: bool) -> int:
+    """What :meth:`StepLoop.step` returns for a launched step: its prefill tokens, or minus its
+    decode sequences."""
+    return sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+
+
 class InFlightStep:
     """A step launched without waiting: its sequences, whether it is a prefill step, the tokens it
     launched (positive for prefill, negative for decode, as :meth:`StepLoop.step` returns), its
@@ -46,7 +52,7 @@ class InFlightStep:
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, sampled: SampledStep):
         self.seqs, self.is_prefill, self.tokens = seqs, is_prefill, sampled.tokens
-        self.num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        self.num_tokens = launched_tokens(seqs, is_prefill)
         self._host = sampled.to_host()
         self._copied = None
         if sampled.tokens.is_cuda:
@@ -103,7 +109,7 @@ class StepLoop:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        num_tokens = launched_tokens(seqs, is_prefill)
         sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_spills())
         if self.overlap:
             self.in_flight = InFlightStep(seqs, is_prefill, sampled)

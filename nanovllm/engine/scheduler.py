@@ -151,12 +151,12 @@ class Scheduler:
         """
         if not self.waiting:
             return None
-        completing = {seq.seq_id for seq in seqs if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)}
-        if any(reaches_length_limit(seq, self.max_model_len, 1) or may_stop_on_token(seq, self.eos_token_ids)
-               for seq in seqs if seq.seq_id in completing):
+        completing = [seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq) for seq in seqs]
+        if any(done and (reaches_length_limit(seq, self.max_model_len, 1) or may_stop_on_token(seq, self.eos_token_ids))
+               for seq, done in zip(seqs, completing)):
             return None
-        for seq in seqs:
-            self._advance(seq, sampled=seq.seq_id in completing)
+        for seq, done in zip(seqs, completing):
+            self._advance(seq, sampled=done)
             self.block_manager.commit(seq)
         return self._schedule_prefill()
 
