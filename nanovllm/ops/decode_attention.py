@@ -4,7 +4,9 @@ The CUDA kernel follows Flash-Decoding (Dao et al., 2023): the context is split 
 (split-K); each program owns one (sequence, kv head, split), loads the q heads of its GQA group
 once, walks its tokens in tiles through the block table with FlashAttention-2's online softmax
 (fp32 running max, sum and accumulator), and writes a partial output plus its log-sum-exp. A
-second kernel merges the splits by LSE.
+second kernel merges the splits by LSE. Programs of the same sequence's KV heads are adjacent in
+the grid (the heads of a token share its cache row), and a tile's block id is loaded one tile
+ahead, so that the K/V loads never wait for the block table.
 """
 
 import functools
@@ -18,8 +20,13 @@ from .store_kv import gather_kvcache
 
 _BLOCK_G = MIN_DOT_ROWS
 """q heads per program: a GQA group (padded) or a 16-head slice of a larger one."""
-_PROGRAMS_PER_SM = 4
-"""Split-K aims at this many programs per SM (2, 4 and 8 measured within 4% on the H200)."""
+_UNSPLIT_PROGRAMS_PER_SM = 3
+"""A batch with at least this many (sequence, KV head) programs per SM is not split: about as
+many as fit on an SM at once, so the GPU is already full (H200, bench.py's batches: splitting
+128 sequences x 8 heads was 0-8% slower)."""
+_PROGRAMS_PER_SM = 12
+"""Below that, split-K aims at this many programs per SM (H200, contexts of 1-2K: 48 sequences x 8
+heads 12% faster in 4 splits than in 2, 16 sequences 15% faster in 8 than in 5)."""
 _MAX_SPLITS = 32
 """Most splits chosen automatically; the merge kernel's compiled tile always covers this many, so
 its one variant serves every context length."""
@@ -88,16 +95,17 @@ def decode_attention_ref(
 
 @triton.jit
 def _decode_tile(
-    q, k_ptr, v_ptr, table_row_ptr, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
+    q, k_ptr, v_ptr, block, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end)."""
+    """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
+    ``[BLOCK_N]``: each token's cache block."""
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = pos < end
-    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     kv_mask = n_mask[:, None] & d_mask[None, :]
+    block = block.to(tl.int64)
     k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
@@ -120,9 +128,9 @@ def _decode_split_kernel(
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
     them (output in its dtype, LSE in natural log), so no merge kernel runs."""
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1) // G_CHUNKS
-    g = (tl.program_id(1) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
+    b = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(0) // G_CHUNKS
+    g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
     split = tl.program_id(2)
     heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
@@ -138,20 +146,30 @@ def _decode_split_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table_row = table_ptr + b * stride_tb
-    # Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled kernels keep the
-    # for loop, which Triton software-pipelines (the while form ran 10-20% slower on the H200).
+    # Each tile's block ids are loaded during the tile before it (1-2% faster on the H200 than
+    # loading them with the tile). Triton's interpreter (numpy 2) cannot take tensor bounds in
+    # range(); compiled kernels keep the for loop, which Triton software-pipelines (the while form
+    # ran 10-20% slower on the H200).
+    block = tl.load(table_row + (start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
+                    mask=start + tl.arange(0, BLOCK_N) < end, other=0)
     if WHILE_LOOP:
         n0 = start
         while n0 < end:
-            m_i, l_i, acc = _decode_tile(q, k_head, v_head, table_row, n0, end, m_i, l_i, acc, d, d_mask,
+            following = tl.load(table_row + (n0 + BLOCK_N + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
+                                mask=n0 + BLOCK_N + tl.arange(0, BLOCK_N) < end, other=0)
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
                                          scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
                                          BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+            block = following
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _decode_tile(q, k_head, v_head, table_row, n0, end, m_i, l_i, acc, d, d_mask,
+            following = tl.load(table_row + (n0 + BLOCK_N + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
+                                mask=n0 + BLOCK_N + tl.arange(0, BLOCK_N) < end, other=0)
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
                                          scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
                                          BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+            block = following
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = b * stride_pb + heads * stride_ph + split * stride_ps
     lse = m_i + tl.log2(l_i)
@@ -201,7 +219,9 @@ def _sm_count(device: torch.device) -> int:
 def _split_plan(programs_per_split: int, max_tokens: int, block_n: int, device, num_splits) -> tuple[int, int]:
     """(num_splits, tokens_per_split) from shapes only, so a captured CUDA graph stays valid."""
     if num_splits is None:
-        wanted = cdiv(_PROGRAMS_PER_SM * _sm_count(device), programs_per_split)
+        sms = _sm_count(device)
+        wanted = 1 if programs_per_split >= _UNSPLIT_PROGRAMS_PER_SM * sms else cdiv(_PROGRAMS_PER_SM * sms,
+                                                                                   programs_per_split)
         num_splits = min(wanted, _MAX_SPLITS, max(1, max_tokens // _MIN_SPLIT_TOKENS))
     tokens_per_split = max(block_n, cdiv(cdiv(max_tokens, num_splits), block_n) * block_n)
     return max(1, cdiv(max_tokens, tokens_per_split)), tokens_per_split
@@ -230,7 +250,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
         # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
         lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
-    _decode_split_kernel[(batch, heads_kv * g_chunks, splits)](
+    _decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
         q, k_cache, v_cache, tables, lens, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
