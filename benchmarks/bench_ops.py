@@ -2,7 +2,9 @@
 
 decode: achieved TB/s of KV read (bytes of every attended key and value over the time of one
 decode_attention call, replayed from a CUDA graph as the engine runs it), next to torch's cuDNN
-attention over the same KV laid out contiguously. prefill: TFLOP/s of prefill_attention
+attention over the same KV laid out contiguously. decode_mixed: bench.py's decode batches
+(Qwen3-0.6B's 16/8 heads, contexts of 100-1,024 prompt tokens plus the step), at the default split
+count and forced ones. prefill: TFLOP/s of prefill_attention
 (4 * head_dim * heads * attended (query, key) pairs).
 Usage, from the repository root: python -m benchmarks.bench_ops
 """
@@ -66,6 +68,21 @@ def bench_decode(batch, context, heads_q=32, heads_kv=8, dim=128, num_splits=Non
     }
 
 
+def bench_decode_mixed(batch, step, heads_q=16, heads_kv=8, dim=128) -> dict:
+    """A decode step of bench.py at ``step``: ``batch`` sequences of 100-1,024 + step tokens (seed
+    0), in us per call for the default split count and 1-8 forced splits."""
+    contexts = (torch.randint(100, 1025, (batch,), generator=torch.Generator().manual_seed(0)) + step).tolist()
+    k_cache, v_cache, tables = _paged(contexts, heads_kv, dim)
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads_q, dim, device="cuda", dtype=DTYPE)
+    us = {str(splits): round(1e3 * graph_ms(lambda: decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5,
+                                                                     num_splits=splits)), 1)
+          for splits in (None, 1, 2, 4, 8)}
+    kv_bytes = 2 * sum(contexts) * heads_kv * dim * k_cache.element_size()
+    return {"op": "decode_attention", "batch": batch, "step": step, "us_by_splits": us,
+            "kv_tb_per_s_default": round(kv_bytes / us["None"] / 1e6, 3)}
+
+
 def bench_prefill(seqlens_q, prefixes, heads_q=32, heads_kv=8, dim=128) -> dict:
     """prefill_attention over sequences with `seqlens_q` new tokens after `prefixes` cached ones."""
     seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
@@ -89,6 +106,7 @@ def bench_prefill(seqlens_q, prefixes, heads_q=32, heads_kv=8, dim=128) -> dict:
 def main() -> None:
     decode = [bench_decode(b, c) for b in (1, 64, 128, 256) for c in (512, 1024, 2048, 4096)]
     decode += [bench_decode(64, 2048, dim=64), bench_decode(64, 2048, heads_q=24)]
+    decode_mixed = [bench_decode_mixed(b, s) for b, s in ((251, 100), (128, 500), (48, 800), (16, 900))]
     prefill = [
         bench_prefill([8192], [0]),
         bench_prefill([2048] * 4, [0] * 4),
@@ -98,7 +116,7 @@ def main() -> None:
         bench_prefill([8192], [0], dim=64),
     ]
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "decode": decode, "prefill": prefill}, indent=1))
+                      "decode": decode, "decode_mixed": decode_mixed, "prefill": prefill}, indent=1))
 
 
 if __name__ == "__main__":
