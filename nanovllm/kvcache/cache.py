@@ -269,5 +269,7 @@ class KVCache:
         return self.stats
 
     def loaded_blocks(self) -> int:
-        """Host-to-GPU block loads so far, in blocks of every layer (keys and values)."""
+        """Host-to-GPU block loads so far, in blocks of every layer (keys and values); the last
+        choosing decode step's gathers recorded first."""
+        self.attention.flush()
         return self.host.bytes_h2d // self.geometry.block_bytes if self.host is not None else 0
