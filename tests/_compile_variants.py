@@ -26,11 +26,12 @@ import pytest
 import torch
 
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
-                          merge_attention_outputs, rms_norm, silu_and_mul, store_kvcache)
+                          gather_host_blocks, merge_attention_outputs, rms_norm, silu_and_mul, store_kvcache)
 from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
-    "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "rmsnorm",
+    "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "host_gather",
+    "rmsnorm",
     "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_estimate_triton", "xattn_select",
     "xattn_mask"))
 
@@ -67,7 +68,8 @@ def xattn_prefill(n: int, device, heads=SMOLLM2_HEADS, chunk_size: int = 16384) 
 
 def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: int = 256) -> None:
     """Decode at context n: paged decode of a batch, one host-tier ring step folded into a running
-    state (its last, partial block), and a prefix/chunk LSE merge of n rows."""
+    state (its last, partial block), a gather of QUEST's picked host blocks (as many entries as
+    blocks, half skipped) and a prefix/chunk LSE merge of n rows."""
     heads_q, heads_kv, dim = heads
     blocks = -(-n // kv_block)
     cache = torch.zeros(blocks * batch, kv_block, heads_kv, dim, device=device, dtype=torch.bfloat16)
@@ -80,6 +82,8 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
     lse = torch.full((heads_q,), float("-inf"), device=device)
     decode_attend_merge(torch.zeros(heads_q, dim, device=device, dtype=torch.bfloat16), cache[0, :tail],
                         cache[0, :tail], out, lse, dim**-0.5)
+    ids = torch.arange(blocks, device=device).masked_fill(torch.arange(blocks, device=device) % 2 == 1, -1)
+    gather_host_blocks(cache, cache, ids, cache, cache, ids.flip(0))
     o = torch.zeros(1, n, heads_q, dim, device=device, dtype=torch.bfloat16)
     lse_rows = torch.zeros(1, heads_q, n, device=device)
     merge_attention_outputs(o, lse_rows, o, lse_rows)
@@ -163,7 +167,8 @@ WORKLOADS = {
     "decode_steps": (decode_steps, {
         # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not
         "decode_attention._decode_split_kernel": 2, "decode_attention._decode_reduce_kernel": 1,
-        "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1}),
+        "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1,
+        "host_gather._gather_host_blocks_kernel": 1}),
 }
 """``{name: (workload(n, device), {kernel: most variants over any lengths})}``; a workload launches
 exactly the kernels listed."""

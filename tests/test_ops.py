@@ -22,6 +22,8 @@ from nanovllm.ops import (
     decode_attention_ref,
     flash_attn_with_lse,
     flash_attn_with_lse_ref,
+    gather_host_blocks,
+    gather_host_blocks_ref,
     gather_kvcache,
     merge_attention_outputs,
     merge_attention_outputs_ref,
@@ -435,6 +437,43 @@ def test_gather_kvcache_follows_block_table():
     assert rows.flatten().tolist() == [8.0, 9.0, 2.0]
 
 
+def _host_blocks(dtype=torch.float32):
+    """One layer of a host tier (6 blocks, layer-strided as in ``HostTier``), 5 destination rows
+    (a view of a two-layer tier), and ids with skipped (-1) entries."""
+    gen = torch.Generator().manual_seed(5)
+    host = torch.randn(2, 3, 6, 16, 2, 8, generator=gen).to(dtype)  # [K/V, L, Nh, block, Hkv, D]
+    rows = torch.randn(2, 2, 5, 16, 2, 8, generator=gen).to(dtype)
+    src, dst = torch.tensor([4, -1, 0, 5, -1]), torch.tensor([2, 0, 4, 0, 3], dtype=torch.int32)
+    return host[0, 1], host[1, 1], src, rows, dst
+
+
+def test_gather_host_blocks_ref_copies_the_listed_blocks_only():
+    src_k, src_v, src_ids, rows, dst_ids = _host_blocks()
+    before = rows.clone()
+    gather_host_blocks_ref(src_k, src_v, src_ids, rows[0, 1], rows[1, 1], dst_ids)
+    expected = before.clone()
+    for s, d in ((4, 2), (0, 4), (5, 0)):
+        expected[0, 1, d], expected[1, 1, d] = src_k[s], src_v[s]
+    assert torch.equal(rows, expected), "entries with src -1 (dst 0 and 3) are skipped, other layers untouched"
+    gather_host_blocks(src_k, src_v, src_ids.int(), rows[0, 0], rows[1, 0], dst_ids.long())
+    assert torch.equal(rows[:, 0, [2, 4, 0]], torch.stack([src_k[[4, 0, 5]], src_v[[4, 0, 5]]]))
+
+
+def test_gather_host_blocks_checks_its_arguments():
+    src_k, src_v, src_ids, rows, dst_ids = _host_blocks()
+    with pytest.raises(ValueError, match="dst_k and dst_v must both be"):
+        gather_host_blocks(src_k, src_v, src_ids, rows[0, 0, :, :8], rows[1, 0, :, :8], dst_ids)
+    with pytest.raises(ValueError, match="share one dtype"):
+        gather_host_blocks(src_k, src_v, src_ids, rows[0, 0].double(), rows[1, 0].double(), dst_ids)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        gather_host_blocks(src_k, src_v, src_ids.float(), rows[0, 0], rows[1, 0], dst_ids.float())
+    with pytest.raises(ValueError, match="must both be \\[n\\]"):
+        gather_host_blocks(src_k, src_v, src_ids[:2], rows[0, 0], rows[1, 0], dst_ids)
+    with pytest.raises(ValueError, match="contiguously"):
+        gather_host_blocks(src_k.transpose(2, 3), src_v.transpose(2, 3), src_ids, rows[0, 0].transpose(2, 3),
+                           rows[1, 0].transpose(2, 3), dst_ids)
+
+
 # ---------------------------------------------------------------- argument checks
 def test_errors_name_the_value_and_the_limit():
     q = torch.randn(1, 2, 4, 300)
@@ -732,7 +771,21 @@ def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
     assert_close(out, silu_and_mul_ref(x), {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype])
 
 
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_gather_host_blocks_matches_reference(dtype):
+    """Bit for bit (a copy), int32 and int64 ids, skipped entries, blocks of 512 elements in
+    tiles of 8192 (masked)."""
+    src_k, src_v, src_ids, rows, dst_ids = _host_blocks(dtype)
+    expected = rows.clone()
+    gather_host_blocks_ref(src_k, src_v, src_ids, expected[0, 1], expected[1, 1], dst_ids)
+    gather_host_blocks(src_k, src_v, src_ids, rows[0, 1], rows[1, 1], dst_ids)
+    assert torch.equal(rows, expected)
+    gather_host_blocks(src_k, src_v, torch.full((3,), -1), rows[0, 0], rows[1, 0], torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(rows, expected), "every entry skipped"
+
+
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=38)
+    run_interpreted_tests(__file__, min_passed=40)

@@ -94,6 +94,7 @@ def test_selection_takes_the_best_candidates():
 def test_policy_picks_the_best_middle_blocks_of_both_tiers():
     """Slots from DecodeSelection: blocks 0, n-2 and n-1 are fixed (never candidates), host blocks
     are scored from their host-tier bounds."""
+    from nanovllm.kvcache.reuse import TierRows
     from nanovllm.kvcache.selection import DecodeSelection
 
     layers, block, heads, dim, gpu_blocks = 1, 64, 2, 8, 8
@@ -103,7 +104,8 @@ def test_policy_picks_the_best_middle_blocks_of_both_tiers():
     policy.kmin.copy_(torch.randn(policy.kmin.shape, generator=gen))
     policy.kmax.copy_(policy.kmin + torch.rand(policy.kmin.shape, generator=gen))
     tables = [([0, -1, 5, -1, 6, 1, 7], [-1, 2, -1, 0, -1, -1, -1], 6 * block + 3)]
-    selection = DecodeSelection.build(policy, tables, gpu_blocks, block, torch.device("cpu"))
+    selection = DecodeSelection.build(policy, tables, TierRows(layers, gpu_blocks, 2), gpu_blocks, block,
+                                      torch.device("cpu"))
     assert selection.blocks.slots.tolist() == [[-1, gpu_blocks + 2, 5, gpu_blocks + 0, 6, -1, -1]]
     q = torch.randn(1, 4, dim, generator=gen)
     picks = policy.select_decode_blocks(0, q, selection.blocks)[0].tolist()

@@ -277,15 +277,18 @@ HEADS_Q, HEADS_KV, DIM, LAYERS = 4, 2, 32, 2
 def _pipeline(num_gpu_blocks=6, num_host_blocks=6, slots=2, policy=None):
     from nanovllm.kvcache.host_tier import HostTier
     from nanovllm.kvcache.pipeline import TieredAttention
+    from nanovllm.kvcache.reuse import TierRows
     from nanovllm.sparse import FullAttentionPolicy, SparseStats
 
     gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, LAYERS, num_gpu_blocks, BLOCK, HEADS_KV, DIM, generator=gen)
+    layout = TierRows(LAYERS, num_gpu_blocks, 0)
+    rows = torch.randn(2, layout.total, BLOCK, HEADS_KV, DIM, generator=gen)
+    kv = rows.unflatten(1, (LAYERS, num_gpu_blocks))
     host = HostTier(LAYERS, BLOCK, HEADS_KV, DIM, torch.float32, torch.device("cpu"), num_host_blocks, slots)
     host.k_host.copy_(torch.randn(host.k_host.shape, generator=gen))
     host.v_host.copy_(torch.randn(host.v_host.shape, generator=gen))
     attention = TieredAttention(policy or FullAttentionPolicy(DIM ** -0.5), SparseStats(), DIM ** -0.5)
-    attention.bind(kv[0], kv[1], host)
+    attention.bind(rows, layout, host)
     return attention, kv, host
 
 

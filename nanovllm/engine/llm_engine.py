@@ -329,7 +329,7 @@ class LLMEngine:
         """
         self._check_open()
         cache = self.model_runner.cache
-        stats = {"policy": self.config.sparse_policy.value, **cache.stats.to_dict(cache.policy.dense_prefill)}
+        stats = {"policy": self.config.sparse_policy.value, **cache.sparse_stats().to_dict(cache.policy.dense_prefill)}
         if self._replicas is None:
             return stats
         return data_parallel.sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))
@@ -338,7 +338,7 @@ class LLMEngine:
         """Zero the counts behind :meth:`get_sparse_stats` (on every replica; under torchrun
         with ``data_parallel_size > 1`` every rank must call this)."""
         self._check_open()
-        self.model_runner.cache.stats.reset()
+        self.model_runner.cache.sparse_stats().reset()
         if self._replicas is not None:
             self._replicas.call("reset_sparse_stats", None)
 

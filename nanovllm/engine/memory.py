@@ -3,8 +3,9 @@
 - **GPU tier**: exactly ``num_kvcache_blocks`` when given. Otherwise on CUDA, what
   ``gpu_memory_utilization`` of the device leaves after this process's peak use in the warm-up
   (weights, activations of a ``max_num_batched_tokens`` prefill), the ring slots, QUEST's reuse
-  cache and the sparse policy's per-block metadata; on CPU, what the configuration can use (``max_num_seqs`` full
-  sequences of ``max_model_len``) capped at ``CPU_KV_MEMORY_FRACTION`` of the available memory.
+  cache and staging rows and the sparse policy's per-block metadata; on CPU, what the
+  configuration can use (``max_num_seqs`` full sequences of ``max_model_len``) capped at
+  ``CPU_KV_MEMORY_FRACTION`` of the available memory.
 - **Host tier** (``enable_cpu_offload``): exactly ``num_cpu_kvcache_blocks`` when given, else what
   the configuration can use capped at ``cpu_memory_utilization`` of the available host memory.
   Ranks on one host split its memory evenly.
@@ -73,8 +74,8 @@ def host_blocks(config: Config, geometry: KVGeometry, ranks_on_host: int) -> int
 def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, num_host_blocks: int,
                reserved_bytes: int, metadata_bytes: int, ranks_on_host: int) -> int:
     """GPU-tier blocks of this rank. ``reserved_bytes``: device memory the cache needs besides
-    its blocks (ring slots, host blocks' metadata, QUEST's reuse cache); ``metadata_bytes``: per GPU
-    block."""
+    its blocks (ring slots, host blocks' metadata, QUEST's reuse cache and staging rows);
+    ``metadata_bytes``: per GPU block."""
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
     if device.type == "cuda":

@@ -5,9 +5,11 @@
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
     each step: cache.begin_step(spills) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
-The GPU tier is one tensor ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys,
-values) read in place by the paged kernels, its last blocks the decode reuse cache's rows
-(``reuse.py``); the host tier (``host_tier.py``) holds spilled blocks in pinned memory.
+The GPU tier is ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys, values) read
+in place by the paged kernels, its last blocks of each layer the decode reuse cache's rows, followed
+in memory by the staging rows that all layers share (``reuse.py``: with a host tier and a choosing
+policy, decode addresses the whole as one table of rows); the host tier (``host_tier.py``) holds
+spilled blocks in pinned memory.
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
 side); a step carries it here as each sequence's two block tables and the list of spills. The
 attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
@@ -26,7 +28,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
-from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
+from nanovllm.kvcache.reuse import ReuseCache, TierRows, reuse_cache_rows, staging_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.sparse import SparseStats, create_policy
 from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
@@ -53,12 +55,15 @@ class KVCache:
                                    config.dtype)
         self.policy = create_policy(config, layer.scale)
         self.tiered = has_host_tier(config)
-        self.reuse_rows = reuse_cache_rows(config) if self.tiered and self.policy.chooses_decode_blocks else 0
+        picks_from_host = self.tiered and self.policy.chooses_decode_blocks
+        self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
+        self.staging_rows = staging_rows(config) if picks_from_host else 0
         self.stats = SparseStats()
         self.attention = TieredAttention(self.policy, self.stats, layer.scale)
         for i, module in enumerate(layers):
             module.layer_id, module.kv_cache = i, self
         self.kv: torch.Tensor | None = None
+        self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
@@ -78,12 +83,12 @@ class KVCache:
 
     def reserved_bytes(self, num_host_blocks: int) -> int:
         """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata,
-        the reuse cache's rows."""
+        the reuse cache's rows, the staging rows (a ring slot, a staging row: one layer of a block)."""
         if not self.tiered:
             return 0
         slot_bytes = self.geometry.block_bytes // self.geometry.num_layers
-        return (self.config.num_ring_slots * slot_bytes + num_host_blocks * self.metadata_bytes_per_block()
-                + self.reuse_rows * self.geometry.block_bytes)
+        return ((self.config.num_ring_slots + self.staging_rows) * slot_bytes
+                + num_host_blocks * self.metadata_bytes_per_block() + self.reuse_rows * self.geometry.block_bytes)
 
     def allocate(self, sizes: TierSizes):
         """Allocate both tiers and the policy's metadata.
@@ -92,9 +97,10 @@ class KVCache:
             RuntimeError: the GPU tier or the host tier cannot be allocated (with the byte counts).
         """
         g, cuda = self.geometry, self.device.type == "cuda"
-        shape = (2, g.num_layers, sizes.gpu_blocks + self.reuse_rows, g.block_size, g.num_kv_heads, g.head_dim)
+        self.layout = TierRows(g.num_layers, sizes.gpu_blocks + self.reuse_rows, self.staging_rows)
+        shape = (2, self.layout.total, g.block_size, g.num_kv_heads, g.head_dim)
         try:  # on CPU untouched pages cost nothing: every slot is written before it is read
-            self.kv = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
+            rows = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
         except RuntimeError as err:
             raise RuntimeError(f"cannot allocate the KV cache: num_kvcache_blocks={sizes.gpu_blocks} x "
                                f"{g.block_bytes} bytes = {sizes.gpu_blocks * g.block_bytes / 2**30:.1f} GiB on "
@@ -102,9 +108,10 @@ class KVCache:
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots)
+        self.kv = rows[:, :self.layout.staging_base].unflatten(1, (g.num_layers, self.layout.layer_rows))
         self.num_gpu_blocks = sizes.gpu_blocks
         reuse = ReuseCache(g.num_layers, self.reuse_rows, sizes.gpu_blocks) if self.reuse_rows else None
-        self.attention.bind(self.kv[0], self.kv[1], self.host, reuse)
+        self.attention.bind(rows, self.layout, self.host, reuse)
         self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                              sizes.gpu_blocks, sizes.host_blocks)
         self._log(sizes)
@@ -116,7 +123,8 @@ class KVCache:
             f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
             for name, n in tiers), g.block_size, g.num_layers, g.dtype,
             f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}, "
-            f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB)"
+            f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
+            f"{self.staging_rows} staging rows ({self.staging_rows * g.block_bytes / g.num_layers / 2**30:.2f} GiB)"
             if self.host else "")
 
     def release(self):
@@ -128,7 +136,9 @@ class KVCache:
     # ---- steps -------------------------------------------------------------------------
     def begin_step(self, spills: list[tuple[int, int]]):
         """Copy the blocks the scheduler spilled (``(GPU block, host block)``, in order) to the
-        host tier, before anything of this step writes the GPU tier."""
+        host tier, before anything of this step writes the GPU tier; first record the previous
+        step's picks (the reuse cache and statistics lag a step, ``selection.py``)."""
+        self.attention.flush()
         if not spills:
             return
         self.host.spill(spills, self.kv[0], self.kv[1])
@@ -151,7 +161,9 @@ class KVCache:
                 sample_idx)
 
     def finish_step(self):
-        """After the forward: the policy's metadata of the blocks the step filled."""
+        """After the forward: the picks of a choosing decode step start back to the host, the
+        policy's metadata of the blocks the step filled."""
+        self.attention.end_step()
         reset_context()
         if self._completed:
             self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
@@ -247,9 +259,17 @@ class KVCache:
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
         """The batch's choosing part, when the policy chooses for some sequence."""
         return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],
-                                     self.num_gpu_blocks, self.geometry.block_size, self.device)
+                                     self.layout, self.num_gpu_blocks, self.geometry.block_size, self.device,
+                                     self.attention.reuse)
 
     # ---- observability -----------------------------------------------------------------
+    def sparse_stats(self) -> SparseStats:
+        """The sparse statistics, complete: the last choosing decode step recorded first."""
+        self.attention.flush()
+        return self.stats
+
     def loaded_blocks(self) -> int:
-        """Host-to-GPU block loads so far, in blocks of every layer (keys and values)."""
+        """Host-to-GPU block loads so far, in blocks of every layer (keys and values); the last
+        choosing decode step's gathers recorded first."""
+        self.attention.flush()
         return self.host.bytes_h2d // self.geometry.block_bytes if self.host is not None else 0

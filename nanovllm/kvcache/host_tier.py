@@ -1,6 +1,8 @@
 """The host tier of the KV cache: pinned host blocks, the GPU ring buffer that decode reads them
-through, and every host<->GPU copy with its streams and events (also the loads into the decode
-reuse cache's rows of the GPU tier, ``reuse.py``).
+through, and every host<->GPU copy with its streams and events. One read is not a copy: QUEST's
+picked host blocks are gathered by a kernel that reads the pinned blocks in place
+(:func:`nanovllm.ops.gather_host_blocks`, launched by ``pipeline.py`` on the compute stream, after
+the step's spills); :meth:`HostTier.note_gathered` counts its bytes.
 
 Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
 
@@ -16,9 +18,6 @@ Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops
     transfer stream s (one per slot): wait slot_free[s], spill_done -> H2D of one layer of one
                       block into slot s -> record slot_ready[s] (a serial plan puts every load
                       on stream 0, in order)
-    row streams (2):  wait spill_done -> H2D of one layer of blocks into reuse-cache rows, the
-                      blocks alternating between the streams -> record rows_ready[i]; the
-                      compute stream waits for both before the paged read
 
 Gathers for prefill (:meth:`HostTier.read_block`) copy on the compute stream itself, after it
 waited for the step's spills.
@@ -28,10 +27,6 @@ import contextlib
 import torch
 
 from nanovllm.comm.sgdma import memcpy_2d_async
-
-NUM_ROW_STREAMS = 2
-"""Streams for reuse-cache loads: two copies in flight hide each copy's setup."""
-
 
 class _NullStream:
     """Stands in for a CUDA stream on CPU: work is already ordered."""
@@ -79,16 +74,13 @@ class HostTier:
         if self.cuda:
             new_event = torch.cuda.Event
             self.transfer_streams = [torch.cuda.Stream(self.device) for _ in range(self.num_slots)]
-            self.row_streams = [torch.cuda.Stream(self.device) for _ in range(NUM_ROW_STREAMS)]
             self.spill_stream = torch.cuda.Stream(self.device)
         else:
             new_event = _NullEvent
             self.transfer_streams = [_NullStream() for _ in range(self.num_slots)]
-            self.row_streams = [_NullStream() for _ in range(NUM_ROW_STREAMS)]
             self.spill_stream = _NullStream()
         self.slot_ready = [new_event() for _ in range(self.num_slots)]
         self.slot_free = [new_event() for _ in range(self.num_slots)]
-        self.rows_ready = [new_event() for _ in range(NUM_ROW_STREAMS)]
         self.step_start, self.spill_done = new_event(), new_event()
 
     def _stream_ctx(self, stream):
@@ -143,30 +135,6 @@ class HostTier:
         """``slot`` may be overwritten once the compute stream's work so far is done."""
         self.slot_free[slot].record(self._compute_stream())
 
-    # ---- reuse-cache rows --------------------------------------------------------------
-    def load_rows(self, layer: int, loads: list[tuple[int, int]], k_rows: torch.Tensor, v_rows: torch.Tensor):
-        """Start copying ``layer`` of host block ``h`` into row ``r`` of ``k_rows`` / ``v_rows``
-        (``[rows, block_size, Hkv, D]``, the layer's GPU tier) for each ``(h, r)`` of ``loads``, after
-        the step's spills; :meth:`wait_rows` makes the compute stream wait for them. The caller
-        guarantees that earlier readers of the rows are done (see ``reuse.py``)."""
-        for i, stream in enumerate(self.row_streams):
-            mine = loads[i::NUM_ROW_STREAMS]
-            if not mine:
-                continue
-            stream.wait_event(self.spill_done)
-            with self._stream_ctx(stream):
-                for host_id, row in mine:
-                    k_rows[row].copy_(self.k_host[layer, host_id], non_blocking=True)
-                    v_rows[row].copy_(self.v_host[layer, host_id], non_blocking=True)
-                self.rows_ready[i].record(stream)
-        self.bytes_h2d += 2 * len(loads) * self.block_bytes
-
-    def wait_rows(self):
-        """The compute stream waits for the copies of :meth:`load_rows`."""
-        compute = self._compute_stream()
-        for event in self.rows_ready:
-            compute.wait_event(event)
-
     # ---- gathers -----------------------------------------------------------------------
     def read_block(self, layer: int, host_id: int, k_out: torch.Tensor, v_out: torch.Tensor):
         """Copy ``layer`` of host block ``host_id`` into ``k_out`` / ``v_out`` ``[block_size, Hkv,
@@ -175,9 +143,13 @@ class HostTier:
         v_out.copy_(self.v_host[layer, host_id], non_blocking=True)
         self.bytes_h2d += 2 * self.block_bytes
 
+    def note_gathered(self, num_blocks: int):
+        """``num_blocks`` layer blocks (keys and values) were gathered from this tier by a kernel."""
+        self.bytes_h2d += 2 * num_blocks * self.block_bytes
+
     def synchronize(self):
         """Block the host until every copy of this tier finished."""
         if self.cuda:
             self.spill_stream.synchronize()
-            for stream in self.transfer_streams + self.row_streams:
+            for stream in self.transfer_streams:
                 stream.synchronize()

@@ -15,19 +15,23 @@
   the ring keeps loading the next layer's blocks while this layer computes. A batch without host
   blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
 - **Decode with a choosing policy** (QUEST, ``selection.py``): the blocks read whatever the query
-  (the fixed ones) are known per step, so their host loads are planned a layer ahead. Per layer
-  the policy scores the candidates on the device; the picks come back through one event (no
-  stream sync); the picked host blocks not already in the reuse cache (``reuse.py``) are loaded
-  into its rows at once (those it has no row for go through the ring), then one paged read covers
-  the GPU-tier blocks and the reuse-cache rows, and the ring's blocks are folded in.
+  (the fixed ones) are known per step, so the ring loads the fixed host blocks of every layer in
+  one plan, a layer ahead. Per layer the policy picks on the device and the picks never come back
+  to the host within the step: torch ops turn them into a gather list and block tables
+  (``DecodeSelection.layer_reads``), one kernel gathers the picked host blocks not in the reuse
+  cache (``reuse.py``) straight from the pinned host tier into victim or staging rows
+  (:func:`nanovllm.ops.gather_host_blocks`), one paged read covers the GPU-tier blocks, the
+  reuse-cache rows and the staging rows, and the ring's blocks are folded in. No per-layer host
+  synchronisation: after the step the picks of every layer come back in one copy, and the next
+  step's start waits for it once, to update the reuse cache and the statistics (a step late).
 """
 import torch
 
 from nanovllm.kvcache.host_tier import HostTier
-from nanovllm.kvcache.reuse import ReuseCache
-from nanovllm.kvcache.selection import PickReader
-from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
-                          prefill_attention, store_kvcache)
+from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.kvcache.selection import DecodeSelection, StepPicks
+from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_host_blocks,
+                          gather_kvcache, prefill_attention, store_kvcache)
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
 from nanovllm.utils.context import Context, PrefixGather, get_context
@@ -49,10 +53,6 @@ class RingReader:
     def reset(self, plan: list[tuple[int, int]], serial: bool = False):
         """A new plan (a step's); its first loads start now."""
         self.plan, self.issued, self.consumed, self.serial = list(plan), 0, 0, serial
-        self._issue()
-
-    def extend(self, loads: list[tuple[int, int]]):
-        self.plan += loads
         self._issue()
 
     def _issue(self):
@@ -79,37 +79,60 @@ class TieredAttention:
 
     def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float):
         self.policy, self.stats, self.scale = policy, stats, scale
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.k_rows = self.v_rows = None
+        self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
         self.reuse: ReuseCache | None = None
-        self.picks = PickReader()
+        self.step_picks = StepPicks()
+        self._pending: tuple[DecodeSelection, list[torch.Tensor]] | None = None
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, host: HostTier | None,
-             reuse: ReuseCache | None = None):
-        """The GPU tier ``[L, blocks, block_size, Hkv, D]`` (keys, values; the reuse cache's rows
-        after the block manager's blocks), the host tier and the reuse cache."""
-        self.k_cache, self.v_cache, self.host, self.reuse = k_cache, v_cache, host, reuse
+    def bind(self, rows: torch.Tensor, layout: TierRows, host: HostTier | None, reuse: ReuseCache | None = None):
+        """The GPU tier as rows ``[2, layout.total, block_size, Hkv, D]`` (keys, values; see
+        ``reuse.py``), the host tier and the reuse cache."""
+        self.k_rows, self.v_rows, self.layout, self.host, self.reuse = rows[0], rows[1], layout, host, reuse
+        self.k_cache, self.v_cache = (r[:layout.staging_base].unflatten(0, (layout.num_layers, layout.layer_rows))
+                                      for r in (rows[0], rows[1]))
         self.ring = RingReader(host) if host is not None else None
 
     def release(self):
-        self.k_cache = self.v_cache = self.host = self.ring = self.reuse = None
+        self.k_cache = self.v_cache = self.k_rows = self.v_rows = self.host = self.ring = self.reuse = None
+        self._pending = None
 
     def forget_host_blocks(self, host_ids: list[int]):
-        """Host blocks ``host_ids`` are being rewritten (spills): the reuse cache drops them."""
+        """Host blocks ``host_ids`` are being rewritten (spills): the reuse cache drops them (after
+        recording the pending step, whose placements may hold them)."""
+        self.flush()
         if self.reuse is not None:
             self.reuse.forget(host_ids)
 
+    def end_step(self):
+        """After a step's forward: start bringing a choosing decode step's picks to the host."""
+        selection = get_context().selection
+        if selection is not None and self.host is not None:
+            self._pending = selection, self.step_picks.copy(selection.picks)
+
+    def flush(self):
+        """Record the last choosing decode step (the reuse cache, the statistics), waiting for its
+        picks once; a no-op when there is none."""
+        if self._pending is None:
+            return
+        selection, picks = self._pending
+        self._pending = None
+        self.step_picks.wait()
+        selection.replay(picks, self.reuse, self.stats, self.host)
+
     def begin_step(self, ctx: Context):
-        """Plan the step's first ring loads: every layer reads ``ctx.host_loads``, so without a
-        choosing policy the whole step is one plan; with one, the fixed host loads of layer 0
-        (each layer adds its picks and the next layer's fixed loads)."""
+        """Plan the step's ring loads: every layer reads ``ctx.host_loads``, or with a choosing
+        policy the fixed host blocks (``selection.fixed_loads``, on one stream, in order), so the
+        whole step is one plan."""
         if self.ring is not None:
             if ctx.selection is None:
                 self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
                                  for _, host_id in ctx.host_loads])
             else:
-                self.ring.reset([(0, host_id) for _, host_id in ctx.selection.fixed_loads], serial=True)
+                self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
+                                 for _, host_id in ctx.selection.fixed_loads], serial=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one layer: q ``[N, Hq, D]``, k, v ``[N, Hkv, D]`` (the batch's new
@@ -199,27 +222,28 @@ class TieredAttention:
         return out.to(q.dtype)
 
     def _selected_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
-        """The policy's picks at ``layer`` (read back through one event), their host loads issued
-        first (reuse-cache rows, else the ring, then the next layer's fixed loads), one paged read
-        of GPU-tier blocks and reuse-cache rows, then the ring's blocks folded in."""
+        """The policy's picks at ``layer``, turned on the device into a gather of the missed host
+        blocks and block tables over the GPU tier's rows; one paged read per group of sequences
+        (one for the batch unless the staging rows are short), then the ring's blocks folded in."""
         selection = ctx.selection
-        picks = self.picks.read(self.policy.select_decode_blocks(layer, selection.queries(q), selection.blocks))
-        reads = selection.layer_reads(picks, self.reuse, layer)
-        if reads.cache_loads:
-            self.host.load_rows(layer, reads.cache_loads, k_cache, v_cache)
-        if self.ring is not None:
-            ahead = [(layer + 1, h) for _, h in selection.fixed_loads] if layer + 1 < self.k_cache.shape[0] else []
-            self.ring.extend([(layer, h) for _, h in reads.ring_loads] + ahead)
-        tables, lens = reads.device_tables(q.device)
-        if reads.cache_loads:
-            self.host.wait_rows()
-        out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True)
-        self._fold_ring(q, out, lse, selection.fixed_loads + reads.ring_loads)
-        if ctx.host_loads:
-            loaded = len(selection.fixed_loads) + len(reads.ring_loads) + len(reads.cache_loads)
-            self.stats.add_comm(layer, False, loaded, len(ctx.host_loads))
-        if self.reuse is not None and reads.selected:
-            self.stats.add_reuse(layer, reads.reused, reads.selected)
+        picks = self.policy.select_decode_blocks(layer, selection.queries(q), selection.blocks)
+        src, dst, tables, lens = selection.layer_reads(layer, picks)
+        out = lse = None
+        for group, batch_rows in selection.groups:
+            if self.host is not None:
+                gather_host_blocks(self.host.k_host[layer], self.host.v_host[layer],
+                                   selection.group_src(group, src).flatten(), self.k_rows, self.v_rows, dst.flatten())
+            if batch_rows is None:
+                out, lse = decode_attention(q, self.k_rows, self.v_rows, tables, lens, self.scale, return_lse=True)
+                continue
+            if out is None:
+                out = q.new_zeros(q.shape, dtype=torch.float32)
+                lse = q.new_zeros(q.shape[:2], dtype=torch.float32)
+            group_out, group_lse = decode_attention(q[batch_rows], self.k_rows, self.v_rows, tables[batch_rows],
+                                                    lens[batch_rows], self.scale, return_lse=True)
+            out.index_copy_(0, batch_rows, group_out)
+            lse.index_copy_(0, batch_rows, group_lse)
+        self._fold_ring(q, out, lse, selection.fixed_loads)
         return out.to(q.dtype)
 
     def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]]):

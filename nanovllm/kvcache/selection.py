@@ -1,27 +1,39 @@
-"""What a decode step reads when the sparse policy chooses blocks per layer (QUEST).
+"""What a decode step reads when the sparse policy chooses blocks per layer (QUEST), decided on the
+device: the picks never come back to the host within the step.
 
 Each sequence's blocks split into *fixed* blocks, read whatever the query (the policy's
 :meth:`~nanovllm.sparse.SparsePolicy.fixed_decode_blocks` and always the block being written;
 every block of a sequence the policy does not select for), and *candidates*, among which the
-policy picks per layer with that layer's query. Per step, :meth:`DecodeSelection.build` lists
-both, and the fixed host-tier blocks that every layer loads (known before any query exists, so
-the ring starts them a layer ahead). Per layer, once the picks are back on the host,
-:meth:`DecodeSelection.layer_reads` says where each read block comes from:
+policy picks per layer with that layer's query. At the step's start :meth:`DecodeSelection.build`
+(host) lists both and uploads, per choosing sequence, where each block can be read in place at
+each layer (GPU-tier block or reuse-cache row, ``[L, S, W]``), its host block, the fixed GPU-tier
+blocks, the unwritten tokens of its last block, the victim rows of each layer (``reuse.py``) and
+the tables of the sequences that do not choose. The fixed host-tier blocks are known then too: the
+ring reads them, planned a layer ahead.
 
-- GPU-tier blocks, and picked host blocks found in or placed into the reuse cache: one paged
-  table per sequence, in logical block order, the block being written last;
-- fixed host blocks, and picked host blocks the reuse cache has no row for: the ring.
+Per layer :meth:`DecodeSelection.layer_reads` turns the picks ``[S, k]`` into, with torch ops only
+(no host sync, shapes fixed per step):
 
-:class:`PickReader` brings a layer's picks to the host: a non-blocking copy into pinned memory and
-an event, waited for alone (no stream synchronisation).
+- the gather list: each picked host block not in the reuse cache (a *miss*; misses numbered in
+  (sequence, pick) order) goes to the layer's next victim row, then to the next staging row;
+- the paged decode kernel's block table per sequence: the fixed GPU-tier blocks and every picked
+  block's row, in logical block order (compacted by a cumulative sum and a scatter, -1 padded),
+  and context length = read blocks x block_size - the last block's unwritten tokens.
+
+A step whose misses could exceed the victim and staging rows is read in groups of sequences
+(gather and attention per group), each group's misses numbered after the victims and the earlier
+groups' misses, so that the staging rows are reused group after group.
+
+After the step the picks of every layer come back to the host in one copy (:class:`StepPicks`);
+at the next step's start :meth:`DecodeSelection.replay` recomputes with the same function where
+each miss landed, updates the reuse cache and counts the step's statistics.
 """
-from dataclasses import dataclass
-
 import torch
+import torch.nn.functional as F
 
 from nanovllm.kvcache.block_manager import NO_BLOCK
-from nanovllm.kvcache.reuse import ReuseCache
-from nanovllm.sparse import DecodeBlocks, SparsePolicy
+from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.sparse import DecodeBlocks, SparsePolicy, SparseStats
 from nanovllm.utils.tensors import padded_rows, to_device
 
 
@@ -30,42 +42,75 @@ class _Row:
     index among the choosing sequences (-1: it reads every block), and the unwritten tokens of its
     last block."""
 
-    __slots__ = ("gpu_table", "host_table", "fixed", "fixed_set", "choosing", "free_tokens")
+    __slots__ = ("gpu_table", "host_table", "fixed", "choosing", "free_tokens")
 
     def __init__(self, gpu_table: list[int], host_table: list[int], length: int, fixed: list[int], choosing: int,
                  block_size: int):
         self.gpu_table, self.host_table, self.fixed, self.choosing = gpu_table, host_table, fixed, choosing
-        self.fixed_set = set(fixed)
         self.free_tokens = len(gpu_table) * block_size - length
 
+    def host_candidates(self) -> int:
+        fixed = set(self.fixed)
+        return sum(1 for j, g in enumerate(self.gpu_table) if g == NO_BLOCK and j not in fixed)
 
-@dataclass
-class LayerReads:
-    """Where one layer of a decode step reads its blocks.
 
-    Attributes:
-        tables, lens: per sequence, the GPU-tier block ids (GPU-tier blocks and reuse-cache rows)
-            in logical order and the tokens they hold (the paged decode kernel's block table and
-            context length).
-        cache_loads: ``(host block, reuse-cache row)`` to load before the paged read.
-        ring_loads: ``(batch row, host block)`` read through the ring, after the fixed ones.
-        reused, selected: distinct host blocks picked by the query found in the reuse cache, and
-            picked in all.
+def pick_rows(picks: torch.Tensor, in_place: torch.Tensor, victims: torch.Tensor, num_victims: torch.Tensor,
+              group_first: torch.Tensor, staging_base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each pick of one layer is read, on the picks' device (no host sync).
+
+    Args:
+        picks: int64 ``[S, k]`` logical blocks, -1 for none.
+        in_place: int64 ``[S, W]`` the row each block can be read from in place (GPU-tier block or
+            reuse-cache row), -1 for the rest.
+        victims: int64 ``[V >= 1]`` the layer's victim rows (``num_victims`` of them, 0-dim int64).
+        group_first: int64 ``[S]`` the first sequence of each sequence's group.
+        staging_base: the row of staging row 0.
+
+    Returns:
+        ``(rows, miss)``: int64 ``[S, k]`` the row each pick is read from (-1 for no pick) and
+        bool ``[S, k]`` the picks to gather into their row first. Miss ``n`` (in (sequence, pick)
+        order) goes to ``victims[n]`` when ``n < num_victims``, else to staging row ``n -
+        max(num_victims, misses of the sequences before its group)``.
     """
+    valid = picks >= 0
+    found = in_place.gather(1, picks.clamp(min=0))
+    miss = valid & (found < 0)
+    count = miss.long()
+    number = count.flatten().cumsum(0).view_as(count) - count
+    per_seq = count.sum(1)
+    before = (per_seq.cumsum(0) - per_seq)[group_first]
+    victim = victims[number.clamp(max=victims.numel() - 1)]
+    staging = staging_base + number - torch.maximum(before, num_victims)[:, None]
+    dest = torch.where(number < num_victims, victim, staging)
+    return torch.where(miss, dest, found).masked_fill(~valid, -1), miss
 
-    tables: list[list[int]]
-    lens: list[int]
-    cache_loads: list[tuple[int, int]]
-    ring_loads: list[tuple[int, int]]
-    reused: int
-    selected: int
 
-    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 ``(block tables [B, W] (-1 padded), context lengths [B])`` on ``device``, in
-        one host-to-device copy."""
-        width = max(map(len, self.tables))
-        flat = to_device([b for row in padded_rows(self.tables, width) for b in row] + self.lens, torch.int32, device)
-        return flat[:len(self.lens) * width].view(len(self.lens), width), flat[len(self.lens) * width:]
+class StepPicks:
+    """The picks of a step's layers, brought to the host after the step: on CUDA one non-blocking
+    copy into a pinned buffer (reused across steps: a step's picks are read before the next step
+    copies) and an event, waited for once; on CPU they are already there."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._ready = None
+
+    def copy(self, picks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Start bringing ``picks`` (int64, one tensor per layer) to the host; returns their host
+        tensors, valid once :meth:`wait` returned."""
+        if not picks or not picks[0].is_cuda:
+            return picks
+        flat = torch.cat([p.flatten() for p in picks])
+        if self._buffer is None or self._buffer.numel() < flat.numel():
+            self._buffer = torch.empty(max(flat.numel(), 4096), dtype=flat.dtype, pin_memory=True)
+            self._ready = torch.cuda.Event()
+        host = self._buffer[:flat.numel()]
+        host.copy_(flat, non_blocking=True)
+        self._ready.record()
+        return list(host.split([p.numel() for p in picks]))
+
+    def wait(self):
+        if self._ready is not None:
+            self._ready.synchronize()
 
 
 class DecodeSelection:
@@ -74,22 +119,33 @@ class DecodeSelection:
     Attributes:
         blocks: the candidates of the choosing sequences (``nanovllm.sparse.DecodeBlocks``).
         fixed_loads: ``(batch row, host block)`` every layer reads whatever the query, in order.
+        groups: the choosing sequences' groups, each ``(group index, batch rows)``; batch rows is
+            None for a single group of the whole batch.
+        picks: the policy's picks of each layer so far (int64 ``[S, k]`` device tensors).
     """
 
-    def __init__(self, rows: list[_Row], blocks: DecodeBlocks, query_rows: torch.Tensor | None, block_size: int):
-        self.rows, self.blocks, self.query_rows, self.block_size = rows, blocks, query_rows, block_size
+    def __init__(self, rows: list[_Row], choosing: list[int], blocks: DecodeBlocks, layout: TierRows,
+                 block_size: int, device: torch.device):
+        self.rows, self.choosing, self.blocks, self.layout = rows, choosing, blocks, layout
+        self.block_size, self.device = block_size, device
         self.fixed_loads = [(r, row.host_table[j]) for r, row in enumerate(rows) for j in row.fixed
                             if row.gpu_table[j] == NO_BLOCK]
+        self.num_host_blocks = sum(h != NO_BLOCK for row in rows for h in row.host_table)
+        self.picks: list[torch.Tensor] = []
+        self.width = max(len(rows[r].gpu_table) for r in choosing)
 
     @classmethod
-    def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], num_gpu_blocks: int,
-              block_size: int, device: torch.device) -> "DecodeSelection | None":
+    def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
+              num_gpu_blocks: int, block_size: int, device: torch.device,
+              reuse: ReuseCache | None = None) -> "DecodeSelection | None":
         """The step's selection, or None when the policy selects for no sequence.
 
         Args:
             tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``.
+            layout: the rows of the GPU tier (``reuse.py``).
             num_gpu_blocks: GPU-tier blocks (host block ``h`` has metadata slot
                 ``num_gpu_blocks + h``).
+            reuse: the reuse cache, whose victims this step takes.
         """
         if not policy.chooses_decode_blocks:
             return None
@@ -106,65 +162,165 @@ class DecodeSelection:
                 choosing.append(len(rows) - 1)
         if not choosing:
             return None
+        selection = cls(rows, choosing, cls._candidates(rows, choosing, num_gpu_blocks, device), layout, block_size,
+                        device)
+        selection._upload(policy, reuse)
+        return selection
+
+    @staticmethod
+    def _candidates(rows: list[_Row], choosing: list[int], num_gpu_blocks: int, device) -> DecodeBlocks:
         width = max(len(rows[r].gpu_table) for r in choosing)
         slots = []
         for r in choosing:
-            row = rows[r]
-            slots.append([NO_BLOCK if j in row.fixed_set else g if g != NO_BLOCK else num_gpu_blocks + h
+            row, fixed = rows[r], set(rows[r].fixed)
+            slots.append([NO_BLOCK if j in fixed else g if g != NO_BLOCK else num_gpu_blocks + h
                           for j, (g, h) in enumerate(zip(row.gpu_table, row.host_table))])
-        blocks = DecodeBlocks(choosing, [len(rows[r].gpu_table) for r in choosing],
-                              to_device(padded_rows(slots, width), torch.int64, device))
-        query_rows = None if len(choosing) == len(rows) else to_device(choosing, torch.int64, device)
-        return cls(rows, blocks, query_rows, block_size)
+        return DecodeBlocks(choosing, [len(rows[r].gpu_table) for r in choosing],
+                            to_device(padded_rows(slots, width), torch.int64, device))
 
+    # ---- step start (host) -------------------------------------------------------------
+    def _upload(self, policy: SparsePolicy, reuse: ReuseCache | None):
+        """Plan the step on the host (victims, groups) and upload what the layers read."""
+        rows = [self.rows[r] for r in self.choosing]
+        worst = [policy.max_decode_picks(row.host_candidates()) for row in rows]
+        victims = reuse.begin_step(sum(worst)) if reuse is not None else [[] for _ in range(self.layout.num_layers)]
+        self._host_tensors(rows, victims, reuse)
+        group_of = self._plan_groups(worst, min(map(len, victims)))
+        firsts = [group_of.index(g) for g in group_of]
+        self.group_first = to_device(firsts, torch.int64, self.device)
+        self.group_of = to_device(group_of, torch.int64, self.device)
+        self.groups = [(0, None)] if group_of[-1] == 0 else [
+            (g, to_device([self.choosing[s] for s, x in enumerate(group_of) if x == g]
+                          + ([r for r, row in enumerate(self.rows) if row.choosing < 0] if g == 0 else []),
+                          torch.int64, self.device))
+            for g in range(group_of[-1] + 1)]
+        dev = {name: t.to(self.device, non_blocking=True) for name, t in self.planned.items()}
+        self.in_place, self.host_ids, self.fixed_read = dev["in_place"], dev["host_ids"], dev["fixed_read"]
+        self.free_tokens, self.victims, self.num_victims = dev["free_tokens"], dev["victims"], dev["num_victims"]
+        self.query_rows = None if len(self.choosing) == len(self.rows) else to_device(self.choosing, torch.int64,
+                                                                                      self.device)
+        self._other_tables()
+
+    def _host_tensors(self, rows: list[_Row], victims: list[list[int]], reuse: ReuseCache | None):
+        """The step's tensors on the host (``planned``, kept for :meth:`replay`)."""
+        layout, width = self.layout, self.width
+        gpu = torch.tensor(padded_rows([r.gpu_table for r in rows], width), dtype=torch.int64)
+        host = torch.tensor(padded_rows([r.host_table for r in rows], width), dtype=torch.int64)
+        fixed = torch.zeros(len(rows), width, dtype=torch.bool)
+        for s, row in enumerate(rows):
+            fixed[s, row.fixed] = True
+        offsets = torch.arange(layout.num_layers)[:, None, None] * layout.layer_rows
+        cached = self._cached_rows(host, reuse)  # [L, S, W] reuse-cache rows, -1
+        in_place = torch.where(gpu >= 0, gpu + offsets, torch.where(cached >= 0, cached + offsets, -1))
+        most = max(1, max(map(len, victims)))
+        victim_rows = torch.tensor([[layout.row(layer, v) for v in vs] + [-1] * (most - len(vs))
+                                    for layer, vs in enumerate(victims)], dtype=torch.int64)
+        self.planned = {"in_place": in_place, "host_ids": host, "fixed_read": fixed & (gpu >= 0),
+                     "free_tokens": torch.tensor([r.free_tokens for r in rows], dtype=torch.int64),
+                     "victims": victim_rows, "num_victims": torch.tensor([len(v) for v in victims])}
+        if self.device.type == "cuda":
+            self.planned = {name: t.pin_memory() for name, t in self.planned.items()}
+
+    def _cached_rows(self, host: torch.Tensor, reuse: ReuseCache | None) -> torch.Tensor:
+        """int64 ``[L, S, W]``: the reuse-cache row (GPU-tier block id) of each host block, -1."""
+        num_layers = self.layout.num_layers
+        if reuse is None:
+            return torch.full((num_layers, *host.shape), -1, dtype=torch.int64)
+        lookup = torch.full((num_layers, int(host.max()) + 2), -1, dtype=torch.int64)  # last column: no block
+        for layer in range(num_layers):
+            for host_id, row in reuse.cached(layer).items():
+                if host_id < lookup.shape[1] - 1:
+                    lookup[layer, host_id] = row
+        return lookup[:, torch.where(host >= 0, host, lookup.shape[1] - 1)]
+
+    def _plan_groups(self, worst: list[int], victims: int) -> list[int]:
+        """The group of each choosing sequence: consecutive sequences whose worst-case misses
+        beyond the victims (and the earlier groups' worst-case misses) fit the staging rows."""
+        staging = self.layout.staging_rows
+        group_of, group, start, before = [], 0, 0, 0
+        for s, w in enumerate(worst):
+            if w > staging:
+                raise RuntimeError(f"a sequence may miss {w} picked host blocks per layer, more than the "
+                                   f"{staging} staging rows")
+            size = sum(worst[start:s + 1])
+            if min(size, before + size - victims) > staging:
+                group, start, before = group + 1, s, before + sum(worst[start:s])
+            group_of.append(group)
+        return group_of
+
+    def _other_tables(self):
+        """Block tables (local block ids) and context lengths of the batch; the rows of the
+        choosing sequences are written per layer."""
+        width = max(self.width, max(len(row.gpu_table) for row in self.rows))
+        tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
+        lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
+                for t, row in zip(tables, self.rows)]
+        self.table_width = width
+        self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
+        self.other_lens = to_device(lens, torch.int64, self.device)
+
+    # ---- per layer (device) ------------------------------------------------------------
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The decode queries ``[S, Hq, D]`` of the choosing sequences, from the batch's ``q``."""
         return q if self.query_rows is None else q[self.query_rows]
 
-    def layer_reads(self, picks: list[list[int]], reuse: ReuseCache | None, layer: int) -> LayerReads:
-        """Where ``layer`` reads each block, given the policy's picks (per choosing sequence, its
-        picked candidates, -1 entries ignored); places picked host blocks in ``reuse``."""
-        picked = [[j for j in picks[row.choosing] if j >= 0] if row.choosing >= 0 else [] for row in self.rows]
-        picked_host = list(dict.fromkeys(row.host_table[j] for row, js in zip(self.rows, picked) for j in js
-                                         if row.gpu_table[j] == NO_BLOCK))
-        rows_of, cache_loads = reuse.place(layer, picked_host) if reuse is not None and picked_host else ({}, [])
-        tables, lens, ring_loads = [], [], []
-        for r, (row, js) in enumerate(zip(self.rows, picked)):
-            table = []
-            for j in sorted(row.fixed + js) if js else row.fixed:
-                if row.gpu_table[j] != NO_BLOCK:
-                    table.append(row.gpu_table[j])
-                elif j in row.fixed_set:  # a fixed host block: the ring's plan reads it
-                    continue
-                elif row.host_table[j] in rows_of:
-                    table.append(rows_of[row.host_table[j]])
-                else:
-                    ring_loads.append((r, row.host_table[j]))
-            tables.append(table)
-            # every listed block is full but the last, the block being written (always on the GPU)
-            lens.append(len(table) * self.block_size - row.free_tokens)
-        return LayerReads(tables, lens, cache_loads, ring_loads, len(rows_of) - len(cache_loads), len(picked_host))
+    def layer_reads(self, layer: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+        """What ``layer`` reads given the policy's picks (int64 ``[S, k]``, -1 for none), on the
+        device without a host sync: ``(src, dst, tables, lens)``: the gather list (host block ids,
+        -1 for none, and rows, int64 ``[S, k]``), int32 block tables ``[B, table_width]`` (rows of
+        :class:`TierRows`) and context lengths ``[B]`` of the batch."""
+        self.picks.append(picks)
+        rows, miss = pick_rows(picks, self.in_place[layer], self.victims[layer], self.num_victims[layer],
+                               self.group_first, self.layout.staging_base)
+        src = torch.where(miss, self.host_ids.gather(1, picks.clamp(min=0)), -1)
+        tables, lens = self._tables(layer, picks, rows)
+        return src, rows, tables, lens
 
+    def _tables(self, layer: int, picks: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.width
+        loc = torch.where(self.fixed_read, self.in_place[layer], -1)
+        dump = torch.where(picks >= 0, picks, width)  # column ``width``: no pick
+        loc = torch.cat([loc, loc.new_full((loc.shape[0], 1), -1)], 1).scatter(1, dump, rows)[:, :width]
+        read = loc >= 0
+        position = torch.where(read, read.cumsum(1) - 1, width)
+        table = loc.new_full((loc.shape[0], width + 1), -1).scatter(1, position, loc)[:, :width]
+        lens = read.sum(1) * self.block_size - self.free_tokens
+        table = F.pad(table, (0, self.table_width - width), value=-1)
+        if self.query_rows is not None:
+            other = torch.where(self.other_tables >= 0, self.other_tables + layer * self.layout.layer_rows, -1)
+            table, lens = other.index_copy(0, self.query_rows, table), self.other_lens.index_copy(0, self.query_rows,
+                                                                                                   lens)
+        return table.int(), lens.int()
 
-class PickReader:
-    """Brings a device tensor of picks to the host: on CUDA a non-blocking copy into a pinned
-    buffer (reused across layers: each layer's picks are read before the next layer's are
-    computed) and an event that the host waits for, so only the work up to the picks is waited
-    for. On CPU the picks are already there."""
+    def group_src(self, group: int, src: torch.Tensor) -> torch.Tensor:
+        """The gather list ``src`` restricted to the sequences of ``group``."""
+        return src if len(self.groups) == 1 else torch.where(self.group_of[:, None] == group, src, -1)
 
-    def __init__(self):
-        self._buffer: torch.Tensor | None = None
-        self._ready = None
-
-    def read(self, picks: torch.Tensor) -> list[list[int]]:
-        """``picks`` (int64 ``[S, k]``) as nested lists, once the device computed them."""
-        if not picks.is_cuda:
-            return picks.tolist()
-        if self._buffer is None or self._buffer.numel() < picks.numel():
-            self._buffer = torch.empty(max(picks.numel(), 256), dtype=picks.dtype, pin_memory=True)
-            self._ready = torch.cuda.Event()
-        host = self._buffer[:picks.numel()].view(picks.shape)
-        host.copy_(picks, non_blocking=True)
-        self._ready.record()
-        self._ready.synchronize()
-        return host.tolist()
+    # ---- after the step (host) ---------------------------------------------------------
+    def replay(self, picks: list[torch.Tensor], reuse: ReuseCache | None, stats: SparseStats, host_tier) -> None:
+        """Record the step from its picks (host tensors, one per layer that ran): where each miss
+        landed (the reuse cache's entries), the reuse and traffic statistics, the bytes read."""
+        h = self.planned
+        group_first = self.group_first.cpu()
+        for layer in range(self.layout.num_layers):
+            if layer >= len(picks):  # the step stopped early: its victims are freed
+                if reuse is not None:
+                    reuse.record(layer, [], [])
+                continue
+            layer_picks = picks[layer].view(len(self.choosing), -1)
+            rows, miss = pick_rows(layer_picks, h["in_place"][layer], h["victims"][layer], h["num_victims"][layer],
+                                   group_first, self.layout.staging_base)
+            host_ids = h["host_ids"].gather(1, layer_picks.clamp(min=0))
+            host_pick = (layer_picks >= 0) & (host_ids >= 0)
+            hits, misses = host_pick & ~miss, int(miss.sum())
+            if reuse is not None:
+                local = rows - layer * self.layout.layer_rows
+                placed = miss & (rows < self.layout.staging_base)
+                placements = list(zip(host_ids[placed].tolist(), local[placed].tolist()))
+                reuse.record(layer, host_ids[hits].tolist(), placements)
+                if host_pick.any():
+                    stats.add_reuse(layer, int(hits.sum()), int(host_pick.sum()))
+            if self.num_host_blocks:
+                stats.add_comm(layer, False, len(self.fixed_loads) + misses, self.num_host_blocks)
+            host_tier.note_gathered(misses)

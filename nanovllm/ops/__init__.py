@@ -9,6 +9,7 @@ from .chunked_attention import (
 )
 from .decode_attention import decode_attention, decode_attention_ref
 from .decode_merge import decode_attend_merge, decode_attend_merge_ref
+from .host_gather import gather_host_blocks, gather_host_blocks_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
@@ -30,6 +31,8 @@ __all__ = [
     "decode_attention_ref",
     "flash_attn_with_lse",
     "flash_attn_with_lse_ref",
+    "gather_host_blocks",
+    "gather_host_blocks_ref",
     "gather_kvcache",
     "merge_attention_outputs",
     "merge_attention_outputs_ref",

@@ -8,7 +8,8 @@ The attention pipeline (``nanovllm/kvcache/pipeline.py``) asks the engine's poli
   :meth:`SparsePolicy.fixed_decode_blocks` (the blocks read whatever the query, known before the
   query exists, so the pipeline can start loading them early) and
   :meth:`SparsePolicy.select_decode_blocks`, the query-dependent picks among the other blocks, in
-  both tiers, as a device tensor (the pipeline reads it back once per layer).
+  both tiers, as a device tensor (the pipeline consumes it on the device; it reaches the host
+  once per step, after the step).
 
 Policies keep per-block metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
 once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full and
@@ -108,6 +109,11 @@ class SparsePolicy:
         decode reads whatever the query, increasing (the pipeline adds the last block, the one
         being written, in any case). Default: the first and the last."""
         return sorted({0, num_blocks - 1})
+
+    def max_decode_picks(self, num_candidates: int) -> int:
+        """The most candidates :meth:`select_decode_blocks` picks for a sequence of
+        ``num_candidates`` (bounds the blocks a decode step may have to gather). Default: all."""
+        return num_candidates
 
     def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
         """The candidates each sequence of ``blocks`` reads at ``layer``, chosen with its decode

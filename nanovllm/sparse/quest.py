@@ -79,6 +79,9 @@ class QuestPolicy(SparsePolicy):
     def fixed_decode_blocks(self, num_blocks: int) -> list[int]:
         return [0, num_blocks - 2, num_blocks - 1]
 
+    def max_decode_picks(self, num_candidates: int) -> int:
+        return min(self.topk_blocks, num_candidates)
+
     def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
         scores = block_scores(quest_bounds(q, self.kmin[layer], self.kmax[layer], blocks.slots), self.scale)
         if tp_size() > 1:  # this rank's heads -> all heads: every rank selects TP=1's blocks

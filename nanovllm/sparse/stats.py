@@ -10,7 +10,8 @@ policy only chooses).
   in the reuse cache.
 - **reuse rate** (decode, QUEST with the reuse cache): host-tier blocks selected by the query that
   were found in the GPU-side reuse cache (not loaded) / host-tier blocks selected by the query,
-  per layer; each distinct block counts once per layer and step.
+  per layer; each (sequence, pick) counts. Decode's counts are added a step late (the picks reach
+  the host after the step; ``KVCache.sparse_stats`` records the last step first).
 
 Counting never syncs with the device: kept-block counts accumulate as device tensors, everything
 else as Python ints; :meth:`SparseStats.to_dict` converts (one sync per layer, on request).

@@ -17,6 +17,8 @@ from nanovllm.ops import (
     decode_attention_ref,
     flash_attn_with_lse,
     flash_attn_with_lse_ref,
+    gather_host_blocks,
+    gather_host_blocks_ref,
     merge_attention_outputs,
     merge_attention_outputs_ref,
     prefill_attention,
@@ -65,6 +67,24 @@ def test_store_kvcache_matches_reference():
     store_kvcache(key, value, layers[0, 2], layers[1, 2], slots.int())
     store_kvcache_ref(key, value, expected[0, 2], expected[1, 2], slots.int())
     assert torch.equal(layers, expected)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_gather_host_blocks_reads_a_pinned_host_tier_bit_for_bit(ids_dtype):
+    """The source is one layer of a pinned CPU tier (read by the kernel through UVA), 4096-token
+    blocks of 8 x 128 bf16 (8 MiB), destinations rows of a layer-strided GPU tier; ids on the
+    device with skipped entries."""
+    host = torch.randn(2, 2, 12, 4096, 8, 128, dtype=torch.bfloat16).pin_memory()  # [K/V, L, Nh, ...]
+    assert host.is_pinned()
+    tier = torch.randn(2, 3, 6, 4096, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    src = torch.tensor([11, -1, 0, 7, -1, 3], device=DEVICE, dtype=ids_dtype)
+    dst = torch.tensor([5, 0, 1, 4, 2, 0], device=DEVICE, dtype=ids_dtype)
+    expected = tier.clone()
+    gather_host_blocks_ref(host[0, 1], host[1, 1], src, expected[0, 2], expected[1, 2], dst)
+    gather_host_blocks(host[0, 1], host[1, 1], src, tier[0, 2], tier[1, 2], dst)
+    torch.cuda.synchronize()
+    assert torch.equal(tier, expected)
+    assert torch.equal(tier[:, 2, [5, 1, 4, 0]].cpu(), host[:, 1, [11, 0, 7, 3]])
 
 
 @pytest.mark.parametrize("dim", [64, 128])

@@ -11,6 +11,7 @@ from _gpu_util import assert_close
 
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
+from nanovllm.kvcache.reuse import TierRows
 from nanovllm.ops import prefill_attention, prefill_attention_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention_ref
 from nanovllm.ops.xattn_mask import xattn_block_mask
@@ -62,7 +63,7 @@ SEQS = [(8192, 0), (3000, 4096), (200, 0), (1000, 512)]
 def _attend(threshold, q, k, v, context, k_cache, v_cache, host=None):
     """One layer of the pipeline with an XATTN_BSA policy over the given tiers."""
     attention = TieredAttention(XAttentionBSAPolicy(SCALE, threshold=threshold), SparseStats(), SCALE)
-    attention.bind(k_cache[None], v_cache[None], host)
+    attention.bind(torch.stack((k_cache, v_cache)), TierRows(1, k_cache.shape[0], 0), host)  # slots -1: a copy
     set_context(context)
     try:
         return attention.forward(0, q, k, v), attention.stats.to_dict(False)["prefill"]
