@@ -26,12 +26,13 @@ import pytest
 import torch
 
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
-                          gather_host_blocks, merge_attention_outputs, rms_norm, silu_and_mul, store_kvcache)
+                          gather_host_blocks, merge_attention_outputs, rms_norm, selected_reads, silu_and_mul,
+                          store_kvcache)
 from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
     "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "host_gather",
-    "rmsnorm",
+    "rmsnorm", "selected_reads",
     "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_estimate_triton", "xattn_select",
     "xattn_mask"))
 
@@ -84,6 +85,9 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
                         cache[0, :tail], out, lse, dim**-0.5)
     ids = torch.arange(blocks, device=device).masked_fill(torch.arange(blocks, device=device) % 2 == 1, -1)
     gather_host_blocks(cache, cache, ids, cache, cache, ids.flip(0))
+    rows = tables.long()
+    selected_reads(torch.zeros(batch, 2, device=device, dtype=torch.int64), rows, rows, rows >= 0, ids, torch.tensor(1, device=device), ids[:batch] * 0,
+                   lens.long(), blocks * batch, kv_block, rows, lens.long(), 0, torch.arange(batch, device=device))
     o = torch.zeros(1, n, heads_q, dim, device=device, dtype=torch.bfloat16)
     lse_rows = torch.zeros(1, heads_q, n, device=device)
     merge_attention_outputs(o, lse_rows, o, lse_rows)
@@ -168,7 +172,7 @@ WORKLOADS = {
         # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not
         "decode_attention._decode_split_kernel": 2, "decode_attention._decode_reduce_kernel": 1,
         "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1,
-        "host_gather._gather_host_blocks_kernel": 1}),
+        "host_gather._gather_host_blocks_kernel": 1, "selected_reads._selected_reads_kernel": 1}),
 }
 """``{name: (workload(n, device), {kernel: most variants over any lengths})}``; a workload launches
 exactly the kernels listed."""

@@ -197,3 +197,38 @@ def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
             assert_same(a, e, float_tol, f"{where}[{i}]")
     else:
         assert actual == expected, (where, actual, expected)
+
+
+def selection_case(seed: int, batch: int, others: int, width: int, k: int, victims: int, groups: int,
+                   device: str = "cpu") -> dict:
+    """Inputs of ``selected_reads`` for one layer: ``batch`` rows of which ``others`` do not
+    choose; per choosing row a random split of its ``width`` blocks into in-place (GPU tier or
+    reuse cache) and host-only ones, fixed blocks (first and last two), up to k distinct picks among
+    the rest (-1 padded), rows in [0, 1000) and victims/staging rows above them."""
+    gen = torch.Generator().manual_seed(seed)
+    choice = torch.full((batch,), -1)
+    chosen = torch.randperm(batch, generator=gen)[:batch - others].sort().values
+    choice[chosen] = torch.arange(len(chosen))
+    num = len(chosen)
+    in_place = torch.where(torch.rand(num, width, generator=gen) < 0.4, torch.randint(0, 1000, (num, width),
+                                                                                      generator=gen), -1)
+    host_ids = torch.where(in_place < 0, torch.randint(0, 500, (num, width), generator=gen), -1)
+    fixed = torch.zeros(num, width, dtype=torch.bool)
+    fixed[:, [0, width - 2, width - 1]] = True
+    in_place[:, width - 1] = torch.randint(0, 1000, (num,), generator=gen)  # the block being written: GPU tier
+    picks = torch.full((num, k), -1)
+    for s in range(num):
+        count = int(torch.randint(0, k + 1, (1,), generator=gen))
+        picks[s, :count] = (torch.randperm(width - 3, generator=gen)[:count] + 1)
+    group_first = torch.zeros(num, dtype=torch.int64)
+    for g in range(1, groups):
+        group_first[g * num // groups:] = g * num // groups
+    victim_rows = torch.randint(2000, 3000, (max(victims, 1),), generator=gen)
+    other_tables = torch.where(torch.rand(batch, width + 2, generator=gen) < 0.8,
+                               torch.randint(0, 100, (batch, width + 2), generator=gen), -1)
+    case = dict(picks=picks, in_place=in_place, host_ids=host_ids, fixed_read=fixed & (in_place >= 0),
+                victims=victim_rows, num_victims=torch.tensor(victims), group_first=group_first,
+                free_tokens=torch.randint(0, 16, (num,), generator=gen), staging_base=5000, block_size=16,
+                other_tables=other_tables, other_lens=torch.randint(1, 200, (batch,), generator=gen),
+                other_offset=7000, choice=choice)
+    return {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in case.items()}

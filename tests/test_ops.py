@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from _interpreter import eager_only, interpreted_only, run_interpreted_tests
+from _util import selection_case
 
 from nanovllm.ops import (
     apply_rotary,
@@ -31,6 +32,8 @@ from nanovllm.ops import (
     prefill_attention_ref,
     rms_norm,
     rms_norm_ref,
+    selected_reads,
+    selected_reads_ref,
     silu_and_mul,
     silu_and_mul_ref,
     store_kvcache,
@@ -474,6 +477,32 @@ def test_gather_host_blocks_checks_its_arguments():
                            rows[1, 0].transpose(2, 3), dst_ids)
 
 
+def test_selected_reads_ref_tables_list_fixed_and_picked_blocks_in_order():
+    """A hand-checked row: blocks 0..5, block 0 and 5 fixed in the GPU tier (rows 10 and 15),
+    block 2 in place at row 12, block 3 on the host only; picks 3 and 2 -> block 3 misses into the
+    one victim row, the table reads rows 10, 12, victim, 15."""
+    case = dict(picks=torch.tensor([[3, 2, -1]]), in_place=torch.tensor([[10, -1, 12, -1, -1, 15]]),
+                host_ids=torch.tensor([[-1, 40, -1, 43, 44, -1]]),
+                fixed_read=torch.tensor([[True, False, False, False, False, True]]), victims=torch.tensor([77]),
+                num_victims=torch.tensor(1), group_first=torch.tensor([0]), free_tokens=torch.tensor([5]),
+                staging_base=900, block_size=16, other_tables=torch.tensor([[1, 2, -1, -1, -1, -1, -1], [-1] * 7]),
+                other_lens=torch.tensor([20, 0]), other_offset=100, choice=torch.tensor([-1, 0]))
+    src, rows, tables, lens = selected_reads_ref(**case)
+    assert src.tolist() == [[43, -1, -1]] and rows.tolist() == [[77, 12, -1]]
+    assert tables.tolist() == [[101, 102, -1, -1, -1, -1, -1], [10, 12, 77, 15, -1, -1, -1]]
+    assert lens.tolist() == [20, 4 * 16 - 5] and tables.dtype == lens.dtype == torch.int32
+
+
+@interpreted_only
+@pytest.mark.parametrize("batch,others,width,k,victims,groups", [
+    (1, 0, 6, 2, 1, 1), (5, 2, 9, 3, 2, 1), (6, 0, 12, 4, 0, 3), (7, 3, 20, 5, 30, 2)])
+def test_interpreted_selected_reads_matches_reference(batch, others, width, k, victims, groups):
+    for seed in range(3):
+        case = selection_case(seed, batch, others, width, k, victims, groups)
+        for got, want in zip(selected_reads(**case), selected_reads_ref(**case)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- argument checks
 def test_errors_name_the_value_and_the_limit():
     q = torch.randn(1, 2, 4, 300)
@@ -788,4 +817,4 @@ def test_interpreted_gather_host_blocks_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=40)
+    run_interpreted_tests(__file__, min_passed=44)

@@ -11,28 +11,28 @@ blocks, the unwritten tokens of its last block, the victim rows of each layer (`
 the tables of the sequences that do not choose. The fixed host-tier blocks are known then too: the
 ring reads them, planned a layer ahead.
 
-Per layer :meth:`DecodeSelection.layer_reads` turns the picks ``[S, k]`` into, with torch ops only
-(no host sync, shapes fixed per step):
+Per layer :meth:`DecodeSelection.layer_reads` turns the picks ``[S, k]`` into, in one launch
+(:func:`nanovllm.ops.selected_reads`; no host sync, shapes fixed per step):
 
 - the gather list: each picked host block not in the reuse cache (a *miss*; misses numbered in
   (sequence, pick) order) goes to the layer's next victim row, then to the next staging row;
 - the paged decode kernel's block table per sequence: the fixed GPU-tier blocks and every picked
-  block's row, in logical block order (compacted by a cumulative sum and a scatter, -1 padded),
-  and context length = read blocks x block_size - the last block's unwritten tokens.
+  block's row, in logical block order (-1 padded), and context length = read blocks x block_size
+  - the last block's unwritten tokens.
 
 A step whose misses could exceed the victim and staging rows is read in groups of sequences
 (gather and attention per group), each group's misses numbered after the victims and the earlier
 groups' misses, so that the staging rows are reused group after group.
 
 After the step the picks of every layer come back to the host in one copy (:class:`StepPicks`);
-at the next step's start :meth:`DecodeSelection.replay` recomputes with the same function where
-each miss landed, updates the reuse cache and counts the step's statistics.
+at the next step's start :meth:`DecodeSelection.replay` recomputes with the kernel's reference
+(:func:`nanovllm.ops.pick_rows`) where each miss landed, updates the reuse cache and counts the step's statistics.
 """
 import torch
-import torch.nn.functional as F
 
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.ops import pick_rows, selected_reads
 from nanovllm.sparse import DecodeBlocks, SparsePolicy, SparseStats
 from nanovllm.utils.tensors import padded_rows, to_device
 
@@ -52,37 +52,6 @@ class _Row:
     def host_candidates(self) -> int:
         fixed = set(self.fixed)
         return sum(1 for j, g in enumerate(self.gpu_table) if g == NO_BLOCK and j not in fixed)
-
-
-def pick_rows(picks: torch.Tensor, in_place: torch.Tensor, victims: torch.Tensor, num_victims: torch.Tensor,
-              group_first: torch.Tensor, staging_base: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each pick of one layer is read, on the picks' device (no host sync).
-
-    Args:
-        picks: int64 ``[S, k]`` logical blocks, -1 for none.
-        in_place: int64 ``[S, W]`` the row each block can be read from in place (GPU-tier block or
-            reuse-cache row), -1 for the rest.
-        victims: int64 ``[V >= 1]`` the layer's victim rows (``num_victims`` of them, 0-dim int64).
-        group_first: int64 ``[S]`` the first sequence of each sequence's group.
-        staging_base: the row of staging row 0.
-
-    Returns:
-        ``(rows, miss)``: int64 ``[S, k]`` the row each pick is read from (-1 for no pick) and
-        bool ``[S, k]`` the picks to gather into their row first. Miss ``n`` (in (sequence, pick)
-        order) goes to ``victims[n]`` when ``n < num_victims``, else to staging row ``n -
-        max(num_victims, misses of the sequences before its group)``.
-    """
-    valid = picks >= 0
-    found = in_place.gather(1, picks.clamp(min=0))
-    miss = valid & (found < 0)
-    count = miss.long()
-    number = count.flatten().cumsum(0).view_as(count) - count
-    per_seq = count.sum(1)
-    before = (per_seq.cumsum(0) - per_seq)[group_first]
-    victim = victims[number.clamp(max=victims.numel() - 1)]
-    staging = staging_base + number - torch.maximum(before, num_victims)[:, None]
-    dest = torch.where(number < num_victims, victim, staging)
-    return torch.where(miss, dest, found).masked_fill(~valid, -1), miss
 
 
 class StepPicks:
@@ -258,6 +227,7 @@ class DecodeSelection:
         self.table_width = width
         self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
         self.other_lens = to_device(lens, torch.int64, self.device)
+        self.choice = to_device([row.choosing for row in self.rows], torch.int64, self.device)
 
     # ---- per layer (device) ------------------------------------------------------------
     def queries(self, q: torch.Tensor) -> torch.Tensor:
@@ -267,31 +237,15 @@ class DecodeSelection:
     def layer_reads(self, layer: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor]:
         """What ``layer`` reads given the policy's picks (int64 ``[S, k]``, -1 for none), on the
-        device without a host sync: ``(src, dst, tables, lens)``: the gather list (host block ids,
-        -1 for none, and rows, int64 ``[S, k]``), int32 block tables ``[B, table_width]`` (rows of
-        :class:`TierRows`) and context lengths ``[B]`` of the batch."""
+        device without a host sync (:func:`nanovllm.ops.selected_reads`, one launch):
+        ``(src, dst, tables, lens)``: the gather list (host block ids, -1 for none, and rows, int64
+        ``[S, k]``), int32 block tables ``[B, table_width]`` (rows of :class:`TierRows`) and
+        context lengths ``[B]`` of the batch."""
         self.picks.append(picks)
-        rows, miss = pick_rows(picks, self.in_place[layer], self.victims[layer], self.num_victims[layer],
-                               self.group_first, self.layout.staging_base)
-        src = torch.where(miss, self.host_ids.gather(1, picks.clamp(min=0)), -1)
-        tables, lens = self._tables(layer, picks, rows)
-        return src, rows, tables, lens
-
-    def _tables(self, layer: int, picks: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.width
-        loc = torch.where(self.fixed_read, self.in_place[layer], -1)
-        dump = torch.where(picks >= 0, picks, width)  # column ``width``: no pick
-        loc = torch.cat([loc, loc.new_full((loc.shape[0], 1), -1)], 1).scatter(1, dump, rows)[:, :width]
-        read = loc >= 0
-        position = torch.where(read, read.cumsum(1) - 1, width)
-        table = loc.new_full((loc.shape[0], width + 1), -1).scatter(1, position, loc)[:, :width]
-        lens = read.sum(1) * self.block_size - self.free_tokens
-        table = F.pad(table, (0, self.table_width - width), value=-1)
-        if self.query_rows is not None:
-            other = torch.where(self.other_tables >= 0, self.other_tables + layer * self.layout.layer_rows, -1)
-            table, lens = other.index_copy(0, self.query_rows, table), self.other_lens.index_copy(0, self.query_rows,
-                                                                                                   lens)
-        return table.int(), lens.int()
+        return selected_reads(picks, self.in_place[layer], self.host_ids, self.fixed_read, self.victims[layer],
+                              self.num_victims[layer], self.group_first, self.free_tokens, self.layout.staging_base,
+                              self.block_size, self.other_tables, self.other_lens, layer * self.layout.layer_rows,
+                              self.choice)
 
     def group_src(self, group: int, src: torch.Tensor) -> torch.Tensor:
         """The gather list ``src`` restricted to the sequences of ``group``."""

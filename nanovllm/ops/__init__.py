@@ -14,6 +14,7 @@ from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
 from .sample_race import sample_race, sample_race_ref
+from .selected_reads import pick_rows, selected_reads, selected_reads_ref
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .store_kv import gather_kvcache, store_kvcache, store_kvcache_ref
 from .xattn_estimate import xattn_block_scores, xattn_block_scores_ref
@@ -36,12 +37,15 @@ __all__ = [
     "gather_kvcache",
     "merge_attention_outputs",
     "merge_attention_outputs_ref",
+    "pick_rows",
     "prefill_attention",
     "prefill_attention_ref",
     "rms_norm",
     "rms_norm_ref",
     "sample_race",
     "sample_race_ref",
+    "selected_reads",
+    "selected_reads_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kvcache",

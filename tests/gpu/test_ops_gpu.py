@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _gpu_util import assert_close
+from _util import selection_case
 
 from nanovllm.ops import (
     apply_rotary,
@@ -19,6 +20,8 @@ from nanovllm.ops import (
     flash_attn_with_lse_ref,
     gather_host_blocks,
     gather_host_blocks_ref,
+    selected_reads,
+    selected_reads_ref,
     merge_attention_outputs,
     merge_attention_outputs_ref,
     prefill_attention,
@@ -85,6 +88,17 @@ def test_gather_host_blocks_reads_a_pinned_host_tier_bit_for_bit(ids_dtype):
     torch.cuda.synchronize()
     assert torch.equal(tier, expected)
     assert torch.equal(tier[:, 2, [5, 1, 4, 0]].cpu(), host[:, 1, [11, 0, 7, 3]])
+
+
+@pytest.mark.parametrize("batch,others,width,k,victims,groups", [
+    (1, 0, 32, 4, 4, 1), (64, 8, 40, 8, 100, 1), (200, 0, 130, 16, 0, 4), (256, 100, 600, 32, 2000, 2)])
+def test_selected_reads_matches_reference(batch, others, width, k, victims, groups):
+    """The one-launch gather list and block tables equal the torch reference's (integers), up to
+    256 sequences, 600 blocks and top-k 32."""
+    for seed in range(3):
+        case = selection_case(seed, batch, others, width, k, victims, groups, device=DEVICE)
+        for got, want in zip(selected_reads(**case), selected_reads_ref(**case)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dim", [64, 128])
