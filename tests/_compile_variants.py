@@ -85,8 +85,8 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
                         cache[0, :tail], out, lse, dim**-0.5)
     ids = torch.arange(blocks, device=device).masked_fill(torch.arange(blocks, device=device) % 2 == 1, -1)
     gather_host_blocks(cache, cache, ids, cache, cache, ids.flip(0))
-    rows = tables.long()
-    selected_reads(torch.zeros(batch, 2, device=device, dtype=torch.int64), rows, rows, rows >= 0, ids, torch.tensor(1, device=device), ids[:batch] * 0,
+    rows, zeros = tables.long(), torch.zeros(batch, device=device, dtype=torch.int64)
+    selected_reads(zeros[:, None].expand(batch, 2), rows[None], rows, rows >= 0, ids[None], zeros[:1] + 1, 0, zeros,
                    lens.long(), blocks * batch, kv_block, rows, lens.long(), 0, torch.arange(batch, device=device))
     o = torch.zeros(1, n, heads_q, dim, device=device, dtype=torch.bfloat16)
     lse_rows = torch.zeros(1, heads_q, n, device=device)

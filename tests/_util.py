@@ -201,14 +201,16 @@ def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
 
 def selection_case(seed: int, batch: int, others: int, width: int, k: int, victims: int, groups: int,
                    device: str = "cpu") -> dict:
-    """Inputs of ``selected_reads`` for one layer: ``batch`` rows of which ``others`` do not
+    """Inputs of ``selected_reads`` reading layer 1 of 3: ``batch`` rows of which ``others`` do not
     choose; per choosing row a random split of its ``width`` blocks into in-place (GPU tier or
     reuse cache) and host-only ones, fixed blocks (first and last two), up to k distinct picks among
-    the rest (-1 padded), rows in [0, 1000) and victims/staging rows above them."""
+    the rest (-1 padded); layer i's rows in [1000 i, 1000 i + 1000), victim rows and staging rows
+    above every layer's; ``victims`` victims at layers 0 and 2, half as many at layer 1."""
     gen = torch.Generator().manual_seed(seed)
     choice = torch.full((batch,), -1)
     chosen = torch.randperm(batch, generator=gen)[:batch - others].sort().values
     choice[chosen] = torch.arange(len(chosen))
+    # one layer's picks may miss more blocks than the layer has victims (victims // 2 at layer 1)
     num = len(chosen)
     in_place = torch.where(torch.rand(num, width, generator=gen) < 0.4, torch.randint(0, 1000, (num, width),
                                                                                       generator=gen), -1)
@@ -223,12 +225,15 @@ def selection_case(seed: int, batch: int, others: int, width: int, k: int, victi
     group_first = torch.zeros(num, dtype=torch.int64)
     for g in range(1, groups):
         group_first[g * num // groups:] = g * num // groups
-    victim_rows = torch.randint(2000, 3000, (max(victims, 1),), generator=gen)
+    # three layers of in-place rows and victims, the case reading layer 1
+    in_place = torch.stack([torch.where(in_place >= 0, in_place + 1000 * i, -1) for i in range(3)])
+    victim_rows = torch.randint(4000, 5000, (3, max(victims, 1)), generator=gen)
     other_tables = torch.where(torch.rand(batch, width + 2, generator=gen) < 0.8,
                                torch.randint(0, 100, (batch, width + 2), generator=gen), -1)
-    case = dict(picks=picks, in_place=in_place, host_ids=host_ids, fixed_read=fixed & (in_place >= 0),
-                victims=victim_rows, num_victims=torch.tensor(victims), group_first=group_first,
-                free_tokens=torch.randint(0, 16, (num,), generator=gen), staging_base=5000, block_size=16,
+    case = dict(picks=picks, in_place=in_place, host_ids=host_ids, fixed_read=fixed & (in_place[1] >= 0),
+                victims=victim_rows, num_victims=torch.tensor([victims, victims // 2, victims]), layer=1,
+                group_first=group_first, free_tokens=torch.randint(0, 16, (num,), generator=gen), staging_base=5000,
+                block_size=16,
                 other_tables=other_tables, other_lens=torch.randint(1, 200, (batch,), generator=gen),
                 other_offset=7000, choice=choice)
     return {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in case.items()}

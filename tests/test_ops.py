@@ -6,6 +6,7 @@ tests run in a child pytest started by ``test_triton_kernels_under_interpreter``
 TRITON_INTERPRET=1 and NANOVLLM_TRITON_INTERPRET=1; in the parent run they are skipped.
 """
 
+import importlib
 import math
 
 import pytest
@@ -481,16 +482,33 @@ def test_selected_reads_ref_tables_list_fixed_and_picked_blocks_in_order():
     """A hand-checked row: blocks 0..5, block 0 and 5 fixed in the GPU tier (rows 10 and 15),
     block 2 in place at row 12, block 3 on the host only; picks 3 and 2 -> block 3 misses into the
     one victim row, the table reads rows 10, 12, victim, 15."""
-    case = dict(picks=torch.tensor([[3, 2, -1]]), in_place=torch.tensor([[10, -1, 12, -1, -1, 15]]),
+    case = dict(picks=torch.tensor([[3, 2, -1]]), in_place=torch.tensor([[[-1] * 6], [[10, -1, 12, -1, -1, 15]]]),
                 host_ids=torch.tensor([[-1, 40, -1, 43, 44, -1]]),
-                fixed_read=torch.tensor([[True, False, False, False, False, True]]), victims=torch.tensor([77]),
-                num_victims=torch.tensor(1), group_first=torch.tensor([0]), free_tokens=torch.tensor([5]),
+                fixed_read=torch.tensor([[True, False, False, False, False, True]]),
+                victims=torch.tensor([[66], [77]]), num_victims=torch.tensor([0, 1]), layer=1,
+                group_first=torch.tensor([0]), free_tokens=torch.tensor([5]),
                 staging_base=900, block_size=16, other_tables=torch.tensor([[1, 2, -1, -1, -1, -1, -1], [-1] * 7]),
                 other_lens=torch.tensor([20, 0]), other_offset=100, choice=torch.tensor([-1, 0]))
     src, rows, tables, lens = selected_reads_ref(**case)
     assert src.tolist() == [[43, -1, -1]] and rows.tolist() == [[77, 12, -1]]
     assert tables.tolist() == [[101, 102, -1, -1, -1, -1, -1], [10, 12, 77, 15, -1, -1, -1]]
     assert lens.tolist() == [20, 4 * 16 - 5] and tables.dtype == lens.dtype == torch.int32
+
+
+def test_selected_reads_checks_its_arguments():
+    case = selection_case(0, 4, 1, 8, 2, 2, 1)
+    with pytest.raises(ValueError, match="fixed_read must be bool"):
+        selected_reads(**{**case, "fixed_read": case["fixed_read"].long()})
+    with pytest.raises(ValueError, match="other_tables has 8 columns, fewer than the W=10 blocks"):
+        wide = {**case, "in_place": torch.cat([case["in_place"], case["in_place"][:, :, :2]], 2)}
+        selected_reads(**{**wide, "host_ids": wide["in_place"][1], "fixed_read": wide["in_place"][1] >= 0,
+                          "other_tables": case["other_tables"][:, :8]})
+    with pytest.raises(ValueError, match="layer=3 is outside 0..2"):
+        selected_reads(**{**case, "layer": 3})
+    with pytest.raises(ValueError, match="victims must be \\[L=3, V >= 1\\]"):
+        selected_reads(**{**case, "victims": case["victims"][:2]})
+    with pytest.raises(ValueError, match="choice must be int64"):
+        selected_reads(**{**case, "choice": case["choice"].int()})
 
 
 @interpreted_only
@@ -818,3 +836,23 @@ def test_interpreted_gather_host_blocks_matches_reference(dtype):
 @eager_only
 def test_triton_kernels_under_interpreter():
     run_interpreted_tests(__file__, min_passed=44)
+
+
+def test_decode_split_plan_splits_only_an_under_filled_gpu():
+    """On 132 SMs: >= 3 programs per SM run in one split; fewer aim at ~12 per SM, at most 32 splits
+    and at least 256 token slots each; forced splits are kept."""
+    module = importlib.import_module("nanovllm.ops.decode_attention")
+    plan = module._split_plan
+    cuda = torch.device("cuda", 0)
+    original = module._sm_count
+    module._sm_count = lambda device: 132
+    try:
+        assert plan(251 * 8, 4096, 64, cuda, None) == (1, 4096)
+        assert plan(396, 4096, 64, cuda, None) == (1, 4096), "3 per SM: full"
+        assert plan(48 * 8, 4096, 64, cuda, None) == (5, 832)
+        assert plan(16 * 8, 4096, 64, cuda, None) == (13, 320)
+        assert plan(8, 130_000, 64, cuda, None)[0] == 32
+        assert plan(8, 512, 64, cuda, None) == (2, 256), "at least 256 slots per split"
+        assert plan(251 * 8, 4096, 64, cuda, 4) == (4, 1024)
+    finally:
+        module._sm_count = original

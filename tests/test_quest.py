@@ -94,7 +94,7 @@ def test_selection_takes_the_best_candidates():
 def test_policy_picks_the_best_middle_blocks_of_both_tiers():
     """Slots from DecodeSelection: blocks 0, n-2 and n-1 are fixed (never candidates), host blocks
     are scored from their host-tier bounds."""
-    from nanovllm.kvcache.reuse import TierRows
+    from nanovllm.kvcache.tier_rows import TierRows
     from nanovllm.kvcache.selection import DecodeSelection
 
     layers, block, heads, dim, gpu_blocks = 1, 64, 2, 8, 8

@@ -7,7 +7,8 @@ FULL through the cache, the cache changing traffic but not tokens) are in tests/
 import pytest
 import torch
 
-from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.tier_rows import TierRows
 
 BLOCK, HEADS_Q, HEADS_KV, DIM, LAYERS = 256, 4, 2, 32, 2
 
@@ -239,7 +240,7 @@ def test_reuse_cache_option_is_checked(qwen3_dir):
 
 def test_reuse_cache_and_staging_rows_follow_the_gpu_tier_and_are_budgeted(qwen3_dir):
     from _util import build_llm
-    from nanovllm.kvcache.reuse import STAGING_SEQS, staging_rows
+    from nanovllm.kvcache.tier_rows import STAGING_SEQS, staging_rows
 
     with build_llm(qwen3_dir, enable_cpu_offload=True, num_cpu_kvcache_blocks=8, num_ring_slots=2,
                    sparse_policy="QUEST", num_reuse_cache_blocks=3) as llm:
@@ -253,3 +254,34 @@ def test_reuse_cache_and_staging_rows_follow_the_gpu_tier_and_are_budgeted(qwen3
         layer_block = g.block_bytes // g.num_layers
         assert cache.reserved_bytes(8) == (2 + staging) * layer_block + 8 * cache.metadata_bytes_per_block() \
             + 3 * g.block_bytes
+
+
+def test_an_unused_victim_keeps_its_block_and_a_step_must_be_recorded_first():
+    """A victim that no miss filled was not written: its block returns as the least recently used
+    entry, unless that block was placed again in another row or forgotten meanwhile; a released
+    layer (a step that stopped there) frees its victims; a step cannot begin before the previous
+    one is recorded."""
+    def warm():
+        cache = ReuseCache(num_layers=1, num_rows=3, first_row=0)
+        cache.begin_step(3)
+        cache.record(0, [], [(5, 0), (6, 1), (7, 2)])
+        assert cache.begin_step(1) == [[]], "every row was placed last step"
+        cache.record(0, [7], [])
+        assert cache.begin_step(2) == [[0, 1]] and cache.cached(0) == {7: 2}, "5 and 6 leave the uploaded map"
+        return cache
+
+    cache = warm()
+    with pytest.raises(RuntimeError, match="previous step's victims were not recorded"):
+        cache.begin_step(2)
+    cache.record(0, [7], [(8, 0)])  # one miss filled row 0; row 1 (block 6) was not written
+    assert list(cache.cached(0).items()) == [(6, 1), (7, 2), (8, 0)], "6 is back, least recently used"
+    assert cache.begin_step(2) == [[1]]
+    cache.forget([6])
+    cache.record(0, [], [])
+    assert cache.cached(0) == {7: 2, 8: 0} and cache.begin_step(1) == [[1]], "forgotten while a victim: freed"
+    cache.release(0)
+    assert cache.cached(0) == {7: 2, 8: 0} and cache.begin_step(3) == [[1, 2, 0]], "released: row 1 free"
+
+    cache = warm()
+    cache.record(0, [], [(6, 0)])  # 6 missed (it had left the map) and landed in row 0
+    assert cache.cached(0) == {7: 2, 6: 0} and cache.begin_step(1) == [[1]], "row 1's old copy of 6: freed"

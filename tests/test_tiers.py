@@ -277,7 +277,7 @@ HEADS_Q, HEADS_KV, DIM, LAYERS = 4, 2, 32, 2
 def _pipeline(num_gpu_blocks=6, num_host_blocks=6, slots=2, policy=None):
     from nanovllm.kvcache.host_tier import HostTier
     from nanovllm.kvcache.pipeline import TieredAttention
-    from nanovllm.kvcache.reuse import TierRows
+    from nanovllm.kvcache.tier_rows import TierRows
     from nanovllm.sparse import FullAttentionPolicy, SparseStats
 
     gen = torch.Generator().manual_seed(0)

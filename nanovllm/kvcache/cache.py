@@ -7,7 +7,7 @@
 
 The GPU tier is ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys, values) read
 in place by the paged kernels, its last blocks of each layer the decode reuse cache's rows, followed
-in memory by the staging rows that all layers share (``reuse.py``: with a host tier and a choosing
+in memory by the staging rows that all layers share (``tier_rows.py``: with a host tier and a choosing
 policy, decode addresses the whole as one table of rows); the host tier (``host_tier.py``) holds
 spilled blocks in pinned memory.
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
@@ -28,7 +28,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
-from nanovllm.kvcache.reuse import ReuseCache, TierRows, reuse_cache_rows, staging_rows
+from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
+from nanovllm.kvcache.tier_rows import TierRows, staging_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.sparse import SparseStats, create_policy
 from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context

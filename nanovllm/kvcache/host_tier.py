@@ -1,8 +1,8 @@
 """The host tier of the KV cache: pinned host blocks, the GPU ring buffer that decode reads them
-through, and every host<->GPU copy with its streams and events. One read is not a copy: QUEST's
-picked host blocks are gathered by a kernel that reads the pinned blocks in place
-(:func:`nanovllm.ops.gather_host_blocks`, launched by ``pipeline.py`` on the compute stream, after
-the step's spills); :meth:`HostTier.note_gathered` counts its bytes.
+through, and every host->GPU read with its streams and events. QUEST's picked host blocks are not
+copied but gathered (:meth:`HostTier.gather`): a kernel on the compute stream, after the step's
+spills, reads the pinned blocks in place (:func:`nanovllm.ops.gather_host_blocks`);
+:meth:`HostTier.note_gathered` counts their bytes once the host learns how many there were.
 
 Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
 
@@ -27,6 +27,8 @@ import contextlib
 import torch
 
 from nanovllm.comm.sgdma import memcpy_2d_async
+from nanovllm.ops import gather_host_blocks
+
 
 class _NullStream:
     """Stands in for a CUDA stream on CPU: work is already ordered."""
@@ -142,6 +144,13 @@ class HostTier:
         k_out.copy_(self.k_host[layer, host_id], non_blocking=True)
         v_out.copy_(self.v_host[layer, host_id], non_blocking=True)
         self.bytes_h2d += 2 * self.block_bytes
+
+    def gather(self, layer: int, src_ids: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+               dst_ids: torch.Tensor):
+        """Gather ``layer`` of host blocks ``src_ids`` (device ``[n]``, -1: skip) into rows
+        ``dst_ids`` of ``k_rows`` / ``v_rows`` (``[rows, block_size, Hkv, D]``) on the compute stream,
+        the ids never read on the host (:func:`nanovllm.ops.gather_host_blocks`)."""
+        gather_host_blocks(self.k_host[layer], self.v_host[layer], src_ids, k_rows, v_rows, dst_ids)
 
     def note_gathered(self, num_blocks: int):
         """``num_blocks`` layer blocks (keys and values) were gathered from this tier by a kernel."""

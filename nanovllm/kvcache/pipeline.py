@@ -16,9 +16,9 @@
   blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
 - **Decode with a choosing policy** (QUEST, ``selection.py``): the blocks read whatever the query
   (the fixed ones) are known per step, so the ring loads the fixed host blocks of every layer in
-  one plan, a layer ahead. Per layer the policy picks on the device and the picks never come back
-  to the host within the step: torch ops turn them into a gather list and block tables
-  (``DecodeSelection.layer_reads``), one kernel gathers the picked host blocks not in the reuse
+  one plan, up to its slot count ahead. Per layer the policy picks on the device and the picks
+  never come back to the host within the step: one kernel turns them into a gather list and
+  block tables (``DecodeSelection.layer_reads``), one kernel gathers the picked host blocks not in the reuse
   cache (``reuse.py``) straight from the pinned host tier into victim or staging rows
   (:func:`nanovllm.ops.gather_host_blocks`), one paged read covers the GPU-tier blocks, the
   reuse-cache rows and the staging rows, and the ring's blocks are folded in. No per-layer host
@@ -28,10 +28,11 @@
 import torch
 
 from nanovllm.kvcache.host_tier import HostTier
-from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection, StepPicks
-from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_host_blocks,
-                          gather_kvcache, prefill_attention, store_kvcache)
+from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
+                          prefill_attention, store_kvcache)
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
 from nanovllm.utils.context import Context, PrefixGather, get_context
@@ -214,14 +215,14 @@ class TieredAttention:
     # ---- decode ------------------------------------------------------------------------
     def _tiered_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
         if ctx.selection is not None:
-            return self._selected_decode(layer, q, ctx, k_cache, v_cache)
+            return self._selected_decode(layer, q, ctx)
         out, lse = decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
                                     return_lse=True)
         self._fold_ring(q, out, lse, ctx.host_loads)
         self.stats.add_comm(layer, False, len(ctx.host_loads), len(ctx.host_loads))
         return out.to(q.dtype)
 
-    def _selected_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
+    def _selected_decode(self, layer, q, ctx: Context) -> torch.Tensor:
         """The policy's picks at ``layer``, turned on the device into a gather of the missed host
         blocks and block tables over the GPU tier's rows; one paged read per group of sequences
         (one for the batch unless the staging rows are short), then the ring's blocks folded in."""
@@ -231,8 +232,8 @@ class TieredAttention:
         out = lse = None
         for group, batch_rows in selection.groups:
             if self.host is not None:
-                gather_host_blocks(self.host.k_host[layer], self.host.v_host[layer],
-                                   selection.group_src(group, src).flatten(), self.k_rows, self.v_rows, dst.flatten())
+                self.host.gather(layer, selection.group_src(group, src).flatten(), self.k_rows, self.v_rows,
+                                 dst.flatten())
             if batch_rows is None:
                 out, lse = decode_attention(q, self.k_rows, self.v_rows, tables, lens, self.scale, return_lse=True)
                 continue
@@ -243,6 +244,7 @@ class TieredAttention:
                                                     lens[batch_rows], self.scale, return_lse=True)
             out.index_copy_(0, batch_rows, group_out)
             lse.index_copy_(0, batch_rows, group_lse)
+        selection.gathered(picks)
         self._fold_ring(q, out, lse, selection.fixed_loads)
         return out.to(q.dtype)
 

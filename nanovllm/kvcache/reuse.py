@@ -1,16 +1,10 @@
-"""The rows of the GPU tier that decode with a choosing policy (QUEST) reads picked host blocks
-from: the reuse cache's rows (per layer) and the staging rows (shared by all layers).
+"""The decode reuse cache: host-tier blocks that a choosing policy (QUEST) picked in recent decode
+steps, kept in rows of the GPU tier (``tier_rows.py``) so that a block picked again is read in
+place instead of gathered from the host again.
 
-**Layout** (:class:`TierRows`): decode with a choosing policy addresses the GPU tier of all layers
-as one table of rows ``[L * layer_rows + staging_rows, block_size, Hkv, D]`` (keys, values): row
-``layer * layer_rows + b`` is block ``b`` of ``layer`` (the block manager's blocks, then the reuse
-cache's rows), the last ``staging_rows`` rows are the staging rows. So one paged read covers
-GPU-tier blocks, reuse-cache rows and staging rows, and the staging rows exist once, not per layer.
-
-**Reuse cache** (:class:`ReuseCache`): consecutive decode steps of a sequence tend to pick many of
-the same blocks. Per layer the cache keeps up to ``num_rows`` host blocks (that layer's keys and
-values of each) in rows of that layer, so a block picked again is read in place instead of
-gathered from the host again. The picks are made on the device and never wait for the host, so
+Consecutive decode steps of a sequence tend to pick many of the same blocks. Per layer the cache
+keeps up to ``num_rows`` host blocks (that layer's keys and values of each) in rows of that layer.
+The picks are made on the device and never wait for the host, so
 the cache's bookkeeping (on the host) lags a step:
 
 - at a step's start (:meth:`ReuseCache.begin_step`) each layer gives up *victim* rows for the
@@ -23,7 +17,14 @@ the cache's bookkeeping (on the host) lags a step:
   (never cached);
 - after the step the picks come back to the host (one copy, one event); at the next step's start
   the host recomputes from them where each miss landed and records it (:meth:`ReuseCache.record`):
-  hits and placed blocks become the most recently used, victims left unused become free.
+  hits and placed blocks become the most recently used; a victim left unused keeps the block it
+  held (its row was not written), back as the least recently used entry, or becomes free.
+
+A step that launched nothing (its plan failed) gives its victims back with
+:meth:`ReuseCache.abort_step`; a layer that a failing step did not finish frees them
+(:meth:`ReuseCache.release`: some may have been written). A step begins only after every layer of
+the previous one was recorded or released (RuntimeError otherwise), so that no row is both a
+victim and mapped.
 
 A row is rewritten only by a gather of its own layer on the compute stream, after every earlier
 reader of it on that stream: no event is needed. Host blocks are immutable until a spill rewrites
@@ -31,10 +32,6 @@ them, so :meth:`ReuseCache.forget` drops the spilled-to ids (the one place a hos
 the cache first records the pending step, so blocks it placed are forgotten too).
 """
 from collections import OrderedDict
-from typing import NamedTuple
-
-STAGING_SEQS = 8
-"""Sequences whose picks the staging rows hold at once: ``sparse_topk_blocks`` rows each."""
 
 
 def reuse_cache_rows(config) -> int:
@@ -42,38 +39,6 @@ def reuse_cache_rows(config) -> int:
     decode blocks (``KVCache`` decides whether it has one): ``config.num_reuse_cache_blocks``, by
     default (-1) ``config.sparse_topk_blocks`` (one step's picks of a sequence)."""
     return config.sparse_topk_blocks if config.num_reuse_cache_blocks == -1 else config.num_reuse_cache_blocks
-
-
-def staging_rows(config) -> int:
-    """Staging rows (shared by all layers) of a cache with a host tier and a policy that chooses
-    decode blocks: ``sparse_topk_blocks`` per sequence for up to :data:`STAGING_SEQS` sequences
-    (``max_num_seqs`` if fewer). One layer of one block each, so 8 sequences of top-k 4 cost 32
-    layer blocks (512 MiB at Llama-3.1-8B's 4,096-token blocks, beside 64 GiB of its GPU tier). A
-    step whose picks could miss more than the victim and staging rows hold reads its sequences in
-    groups (``selection.py``)."""
-    return config.sparse_topk_blocks * min(config.max_num_seqs, STAGING_SEQS)
-
-
-class TierRows(NamedTuple):
-    """The GPU tier as one table of rows (see the module doc): ``num_layers`` layers of
-    ``layer_rows`` rows, then ``staging_rows`` rows shared by all layers."""
-
-    num_layers: int
-    layer_rows: int
-    staging_rows: int
-
-    @property
-    def staging_base(self) -> int:
-        """The row of staging row 0."""
-        return self.num_layers * self.layer_rows
-
-    @property
-    def total(self) -> int:
-        return self.staging_base + self.staging_rows
-
-    def row(self, layer: int, block: int) -> int:
-        """The row of GPU-tier block (or reuse-cache row) ``block`` of ``layer``."""
-        return layer * self.layer_rows + block
 
 
 class ReuseCache:
@@ -91,18 +56,43 @@ class ReuseCache:
         self._free = [list(range(first_row, first_row + num_rows)) for _ in range(num_layers)]
         self._used: list[set[int]] = [set() for _ in range(num_layers)]
         self._victims: list[list[int]] = [[] for _ in range(num_layers)]
+        self._evicted: list[dict[int, int]] = [{} for _ in range(num_layers)]
+        """Per layer, ``{victim row: host block it held}`` until the step is recorded."""
 
     def begin_step(self, max_misses: int) -> list[list[int]]:
         """Per layer, the victim rows (GPU-tier block ids) of a step that misses at most
-        ``max_misses`` blocks per layer; their entries leave the cache until :meth:`record`."""
+        ``max_misses`` blocks per layer; their entries leave the cache until :meth:`record`.
+
+        Raises:
+            RuntimeError: the previous step was neither recorded nor aborted.
+        """
+        if any(self._victims):
+            raise RuntimeError("ReuseCache.begin_step: the previous step's victims were not recorded "
+                               "(record each layer or abort_step first)")
         for layer, entries in enumerate(self._entries):
-            free, used = self._free[layer], self._used[layer]
+            free, used, evicted = self._free[layer], self._used[layer], self._evicted[layer]
             victims = free[:max_misses]
             del free[:len(victims)]
             for host_id in [h for h, row in entries.items() if row not in used][:max_misses - len(victims)]:
-                victims.append(entries.pop(host_id))
+                row = entries.pop(host_id)
+                evicted[row] = host_id
+                victims.append(row)
             self._victims[layer] = victims
         return [list(v) for v in self._victims]
+
+    def abort_step(self) -> None:
+        """The step that :meth:`begin_step` began launched nothing: every layer keeps what it
+        held."""
+        for layer in range(len(self._entries)):
+            self.record(layer, [], [])
+
+    def release(self, layer: int) -> None:
+        """The step stopped at ``layer`` with its picks unknown (some of its gathers may have run):
+        the layer's victims become free, the blocks they held forgotten."""
+        self._free[layer] += self._victims[layer]
+        self._victims[layer] = []
+        self._evicted[layer].clear()
+        self._used[layer] = set()
 
     def cached(self, layer: int) -> dict[int, int]:
         """``{host block: row}`` of ``layer``, least recently used first (a copy)."""
@@ -110,9 +100,10 @@ class ReuseCache:
 
     def record(self, layer: int, hits: list[int], placed: list[tuple[int, int]]) -> None:
         """The outcome of the step at ``layer``: the host blocks found (``hits``) and ``(host
-        block, victim row)`` of the misses placed, in the order they were read; the victims
-        not placed become free."""
-        entries = self._entries[layer]
+        block, victim row)`` of the misses placed, in the order they were read. A victim not
+        placed still holds its block (unless that block was placed again in another row): it
+        returns as the least recently used entry, or becomes free."""
+        entries, evicted = self._entries[layer], self._evicted[layer]
         for host_id in hits:
             entries.move_to_end(host_id)
         filled = set()
@@ -120,14 +111,27 @@ class ReuseCache:
             filled.discard(entries.pop(host_id, None))  # picked by two sequences: the later copy is kept
             entries[host_id] = row
             filled.add(row)
-        self._free[layer] += [row for row in self._victims[layer] if row not in filled]
+        for row in self._victims[layer]:
+            if row in filled:
+                continue
+            host_id = evicted.get(row)
+            if host_id is None or host_id in entries:
+                self._free[layer].append(row)
+            else:
+                entries[host_id] = row
+                entries.move_to_end(host_id, last=False)
+        evicted.clear()
         self._victims[layer] = []
         self._used[layer] = filled | {entries[h] for h in hits}
 
     def forget(self, host_ids: list[int]) -> None:
-        """Host blocks ``host_ids`` are being rewritten: drop their copies in every layer."""
-        for entries, free in zip(self._entries, self._free):
+        """Host blocks ``host_ids`` are being rewritten: drop their copies in every layer (also
+        those held by the victims of a step not yet recorded)."""
+        gone = set(host_ids)
+        for entries, free, evicted in zip(self._entries, self._free, self._evicted):
             for host_id in host_ids:
                 row = entries.pop(host_id, None)
                 if row is not None:
                     free.append(row)
+            for row in [r for r, h in evicted.items() if h in gone]:
+                del evicted[row]

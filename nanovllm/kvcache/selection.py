@@ -9,7 +9,7 @@ policy picks per layer with that layer's query. At the step's start :meth:`Decod
 each layer (GPU-tier block or reuse-cache row, ``[L, S, W]``), its host block, the fixed GPU-tier
 blocks, the unwritten tokens of its last block, the victim rows of each layer (``reuse.py``) and
 the tables of the sequences that do not choose. The fixed host-tier blocks are known then too: the
-ring reads them, planned a layer ahead.
+ring reads them, every layer's in one plan.
 
 Per layer :meth:`DecodeSelection.layer_reads` turns the picks ``[S, k]`` into, in one launch
 (:func:`nanovllm.ops.selected_reads`; no host sync, shapes fixed per step):
@@ -31,7 +31,8 @@ at the next step's start :meth:`DecodeSelection.replay` recomputes with the kern
 import torch
 
 from nanovllm.kvcache.block_manager import NO_BLOCK
-from nanovllm.kvcache.reuse import ReuseCache, TierRows
+from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.ops import pick_rows, selected_reads
 from nanovllm.sparse import DecodeBlocks, SparsePolicy, SparseStats
 from nanovllm.utils.tensors import padded_rows, to_device
@@ -111,7 +112,7 @@ class DecodeSelection:
 
         Args:
             tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``.
-            layout: the rows of the GPU tier (``reuse.py``).
+            layout: the rows of the GPU tier (``tier_rows.py``).
             num_gpu_blocks: GPU-tier blocks (host block ``h`` has metadata slot
                 ``num_gpu_blocks + h``).
             reuse: the reuse cache, whose victims this step takes.
@@ -153,10 +154,15 @@ class DecodeSelection:
         rows = [self.rows[r] for r in self.choosing]
         worst = [policy.max_decode_picks(row.host_candidates()) for row in rows]
         victims = reuse.begin_step(sum(worst)) if reuse is not None else [[] for _ in range(self.layout.num_layers)]
-        self._host_tensors(rows, victims, reuse)
-        group_of = self._plan_groups(worst, min(map(len, victims)))
-        firsts = [group_of.index(g) for g in group_of]
-        self.group_first = to_device(firsts, torch.int64, self.device)
+        try:
+            self._host_tensors(rows, victims, reuse)
+            group_of = self._plan_groups(worst, min(map(len, victims)))
+        except BaseException:
+            if reuse is not None:  # the step will not run: its victims keep what they hold
+                reuse.abort_step()
+            raise
+        self.group_first_host = torch.tensor([group_of.index(g) for g in group_of])
+        self.group_first = self.group_first_host.to(self.device)
         self.group_of = to_device(group_of, torch.int64, self.device)
         self.groups = [(0, None)] if group_of[-1] == 0 else [
             (g, to_device([self.choosing[s] for s, x in enumerate(group_of) if x == g]
@@ -241,11 +247,13 @@ class DecodeSelection:
         ``(src, dst, tables, lens)``: the gather list (host block ids, -1 for none, and rows, int64
         ``[S, k]``), int32 block tables ``[B, table_width]`` (rows of :class:`TierRows`) and
         context lengths ``[B]`` of the batch."""
+        return selected_reads(picks, self.in_place, self.host_ids, self.fixed_read, self.victims, self.num_victims,
+                              layer, self.group_first, self.free_tokens, self.layout.staging_base, self.block_size,
+                              self.other_tables, self.other_lens, layer * self.layout.layer_rows, self.choice)
+
+    def gathered(self, picks: torch.Tensor) -> None:
+        """The next layer's picks were read (their gathers launched): :meth:`replay` records them."""
         self.picks.append(picks)
-        return selected_reads(picks, self.in_place[layer], self.host_ids, self.fixed_read, self.victims[layer],
-                              self.num_victims[layer], self.group_first, self.free_tokens, self.layout.staging_base,
-                              self.block_size, self.other_tables, self.other_lens, layer * self.layout.layer_rows,
-                              self.choice)
 
     def group_src(self, group: int, src: torch.Tensor) -> torch.Tensor:
         """The gather list ``src`` restricted to the sequences of ``group``."""
@@ -256,11 +264,11 @@ class DecodeSelection:
         """Record the step from its picks (host tensors, one per layer that ran): where each miss
         landed (the reuse cache's entries), the reuse and traffic statistics, the bytes read."""
         h = self.planned
-        group_first = self.group_first.cpu()
+        group_first = self.group_first_host
         for layer in range(self.layout.num_layers):
-            if layer >= len(picks):  # the step stopped early: its victims are freed
+            if layer >= len(picks):  # the step stopped before this layer's gathers were all launched
                 if reuse is not None:
-                    reuse.record(layer, [], [])
+                    reuse.release(layer)
                 continue
             layer_picks = picks[layer].view(len(self.choosing), -1)
             rows, miss = pick_rows(layer_picks, h["in_place"][layer], h["victims"][layer], h["num_victims"][layer],

@@ -34,6 +34,8 @@ _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
 """KV tokens per tile for head_dim <= 128 (half of it above); 32 and 128 measured slower."""
+_MAX_BATCH = 65535
+"""Largest decode batch: the batch is the grid's second dimension, which CUDA caps at 65535."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
@@ -50,6 +52,8 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError(f"q head_dim={q.shape[2]} != cache head_dim={k_cache.shape[3]}")
     check_gqa(q.shape[1], k_cache.shape[2])
     check_head_dim(q.shape[2])
+    if q.shape[0] > _MAX_BATCH:
+        raise ValueError(f"decode batch of {q.shape[0]} sequences exceeds {_MAX_BATCH} (the CUDA grid's y limit)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
     if context_lens.shape != (q.shape[0],):

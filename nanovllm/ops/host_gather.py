@@ -33,6 +33,12 @@ def _check_gather_args(src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
     for name, t in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v)):
         if t[0].numel() and not t[0].is_contiguous():
             raise ValueError(f"{name} must hold each block contiguously (strides {t.stride()})")
+    if dst_k.is_cuda and not all(t.is_cuda or t.is_pinned() for t in (src_k, src_v)):
+        raise ValueError("with CUDA destinations the source must be a CUDA tensor or pinned host memory "
+                         "(the kernel reads it through unified virtual addressing)")
+    if src_ids.device != dst_k.device or dst_ids.device != dst_k.device:
+        raise ValueError(f"src_ids and dst_ids must be on the destination's device {dst_k.device}; got "
+                         f"{src_ids.device} and {dst_ids.device}")
     if src_k.stride(0) != src_v.stride(0) or dst_k.stride(0) != dst_v.stride(0):
         raise ValueError(f"keys and values must share their block stride; got src {src_k.stride(0)} and "
                          f"{src_v.stride(0)}, dst {dst_k.stride(0)} and {dst_v.stride(0)}")
@@ -82,7 +88,8 @@ def gather_host_blocks(src_k: torch.Tensor, src_v: torch.Tensor, src_ids: torch.
     nor range-checked on the device (an id out of range is undefined behaviour).
 
     Raises:
-        ValueError: shapes, dtypes or id tensors that disagree, or non-contiguous blocks.
+        ValueError: shapes, dtypes or id tensors that disagree, ids off the destination's device,
+            an unpinned CPU source for CUDA destinations, or non-contiguous blocks.
 
     CUDA: one Triton launch, a program per (tile of a block, entry), the programs of a -1 entry
     returning at once; no host sync, so it can be captured in a CUDA graph. The source is read

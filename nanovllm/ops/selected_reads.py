@@ -54,9 +54,47 @@ def pick_rows(picks: torch.Tensor, in_place: torch.Tensor, victims: torch.Tensor
     return torch.where(miss, dest, found).masked_fill(~valid, -1), miss
 
 
-def selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victims, group_first, free_tokens,
-                       staging_base: int, block_size: int, other_tables, other_lens, other_offset: int, choice):
+def _check_selected_reads_args(picks, in_place, host_ids, fixed_read, victims, num_victims, layer, group_first,
+                               free_tokens, other_tables, other_lens, choice) -> None:
+    num_layers, num_seqs, width = in_place.shape if in_place.dim() == 3 else (0, 0, 0)
+    if picks.dim() != 2 or in_place.dim() != 3 or picks.shape[0] != num_seqs:
+        raise ValueError(f"picks must be [S, k] and in_place [L, S, W]; got {tuple(picks.shape)} and "
+                         f"{tuple(in_place.shape)}")
+    if host_ids.shape != (num_seqs, width) or fixed_read.shape != (num_seqs, width):
+        raise ValueError(f"host_ids and fixed_read must be [S={num_seqs}, W={width}]; got {tuple(host_ids.shape)} "
+                         f"and {tuple(fixed_read.shape)}")
+    if fixed_read.dtype != torch.bool:
+        raise ValueError(f"fixed_read must be bool, got {fixed_read.dtype}")
+    if victims.dim() != 2 or victims.shape[0] != num_layers or victims.shape[1] < 1 or num_victims.shape != (
+            num_layers,):
+        raise ValueError(f"victims must be [L={num_layers}, V >= 1] and num_victims [L]; got {tuple(victims.shape)} "
+                         f"and {tuple(num_victims.shape)}")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} is outside 0..{num_layers - 1}")
+    if group_first.shape != (num_seqs,) or free_tokens.shape != (num_seqs,):
+        raise ValueError(f"group_first and free_tokens must be [S={num_seqs}]; got {tuple(group_first.shape)} and "
+                         f"{tuple(free_tokens.shape)}")
+    batch = choice.shape[0] if choice.dim() == 1 else -1
+    if other_tables.dim() != 2 or other_tables.shape[0] != batch or other_lens.shape != (batch,):
+        raise ValueError(f"other_tables must be [B, TW] and other_lens [B] with B = len(choice) = {batch}; got "
+                         f"{tuple(other_tables.shape)} and {tuple(other_lens.shape)}")
+    if other_tables.shape[1] < width:
+        raise ValueError(f"other_tables has {other_tables.shape[1]} columns, fewer than the W={width} blocks of a "
+                         f"choosing sequence")
+    for name, t in (("picks", picks), ("in_place", in_place), ("host_ids", host_ids), ("victims", victims),
+                    ("num_victims", num_victims), ("group_first", group_first), ("free_tokens", free_tokens),
+                    ("other_tables", other_tables), ("other_lens", other_lens), ("choice", choice)):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+
+
+def selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victims, layer: int, group_first,
+                       free_tokens, staging_base: int, block_size: int, other_tables, other_lens, other_offset: int,
+                       choice):
     """Reference of :func:`selected_reads` (same arguments and result, torch ops)."""
+    _check_selected_reads_args(picks, in_place, host_ids, fixed_read, victims, num_victims, layer, group_first,
+                               free_tokens, other_tables, other_lens, choice)
+    in_place, victims, num_victims = in_place[layer], victims[layer], num_victims[layer]
     rows, miss = pick_rows(picks, in_place, victims, num_victims, group_first, staging_base)
     src = torch.where(miss, host_ids.gather(1, picks.clamp(min=0)), -1)
     width = in_place.shape[1]
@@ -74,17 +112,22 @@ def selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victi
     return src, rows, tables.int(), lens.int()
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_picks", "width", "table_width", "num_victim_slots", "staging_base",
-                               "other_offset"])
+@triton.jit(do_not_specialize=["layer", "num_seqs", "num_picks", "width", "table_width", "num_victim_slots",
+                               "staging_base", "other_offset"])
 def _selected_reads_kernel(
     picks, in_place, host_ids, fixed_read, victims, num_victims, group_first, free_tokens, other_tables, other_lens,
     choice, src_out, rows_out, tables_out, lens_out,
-    num_seqs, num_picks, width, table_width, num_victim_slots, staging_base, other_offset, block_size,
+    layer, num_seqs, num_picks, width, table_width, num_victim_slots, staging_base, other_offset, block_size,
     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TW: tl.constexpr,
 ):
     """Program b: batch row b's table and length; for a choosing row, also its picks' rows and
-    gather sources (its misses numbered after those of the choosing rows before it)."""
+    gather sources (its misses numbered after those of the choosing rows before it). The layer's
+    slices of ``in_place``, ``victims`` and ``num_victims`` are taken here, so that their offsets
+    do not enter the specialisation key (alignment)."""
     b = tl.program_id(0).to(tl.int64)
+    in_place += layer.to(tl.int64) * num_seqs * width
+    victims += layer.to(tl.int64) * num_victim_slots
+    num_victims += layer
     c = tl.load(choice + b)
     p = tl.arange(0, BLOCK_TW)
     if c < 0:  # a sequence that reads every block: its table, offset to the layer's rows
@@ -133,18 +176,21 @@ def _selected_reads_kernel(
 
 
 def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.Tensor, fixed_read: torch.Tensor,
-                   victims: torch.Tensor, num_victims: torch.Tensor, group_first: torch.Tensor,
+                   victims: torch.Tensor, num_victims: torch.Tensor, layer: int, group_first: torch.Tensor,
                    free_tokens: torch.Tensor, staging_base: int, block_size: int, other_tables: torch.Tensor,
                    other_lens: torch.Tensor, other_offset: int, choice: torch.Tensor):
     """The gather list and block tables of one decode layer from its picks (see the module doc).
 
     Args (int64 device tensors unless said; S choosing sequences, B batch rows, W = blocks of the
     longest choosing sequence, TW >= W):
-        picks: ``[S, k]`` picked logical blocks, -1 for none.
-        in_place, host_ids: ``[S, W]`` the row each block is read from in place (-1: not in the
-            GPU tier nor the reuse cache) and its host-tier block (-1: none).
+        picks: ``[S, k]`` picked logical blocks of ``layer``, -1 for none.
+        in_place: ``[L, S, W]`` per layer, the row each block is read from in place (-1: not in
+            the GPU tier nor the reuse cache).
+        host_ids: ``[S, W]`` each block's host-tier block (-1: none).
         fixed_read: bool ``[S, W]``, the fixed blocks read in place (GPU tier).
-        victims: ``[V >= 1]`` the layer's victim rows, ``num_victims`` (0-dim) of them valid.
+        victims, num_victims: ``[L, V >= 1]`` and ``[L]``, each layer's victim rows, the first
+            ``num_victims[layer]`` of them valid.
+        layer: the layer whose rows are read (``0 <= layer < L``).
         group_first: ``[S]`` the first sequence of each sequence's group.
         free_tokens: ``[S]`` unwritten tokens of each sequence's last block.
         staging_base: row of staging row 0. block_size: tokens per block.
@@ -159,15 +205,23 @@ def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.
         none) and the row it is read from (-1: no pick); int32 ``[B, TW]`` block tables and ``[B]``
         context lengths, as :func:`nanovllm.ops.decode_attention` takes them.
 
+    Raises:
+        ValueError: shapes that disagree (``TW < W`` included), a layer out of range, a
+            non-bool ``fixed_read`` or non-int64 ids. Values are not range-checked.
+
     CUDA: one Triton launch, a program per batch row (each choosing program also counts the
-    misses of the rows before it: ``S x k`` loads), no host sync. Elsewhere:
-    :func:`selected_reads_ref`, whose numbers it equals exactly (integers).
+    misses of the rows before it: ``S x k`` loads), no host sync. Its tiles are the next powers of
+    two of S and k and :func:`~nanovllm.ops._triton.row_tile` of W and TW, so it compiles once per
+    octave of the choosing batch (like the decode CUDA graphs' batch sizes) and of the width.
+    Elsewhere: :func:`selected_reads_ref`, whose numbers it equals exactly (integers).
     """
+    _check_selected_reads_args(picks, in_place, host_ids, fixed_read, victims, num_victims, layer, group_first,
+                               free_tokens, other_tables, other_lens, choice)
     if not use_triton(picks):
-        return selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victims, group_first,
+        return selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victims, layer, group_first,
                                   free_tokens, staging_base, block_size, other_tables, other_lens, other_offset,
                                   choice)
-    (num_seqs, num_picks), width, (batch, table_width) = picks.shape, in_place.shape[1], other_tables.shape
+    (num_seqs, num_picks), width, (batch, table_width) = picks.shape, in_place.shape[2], other_tables.shape
     src = torch.empty_like(picks)
     rows = torch.empty_like(picks)
     tables = torch.empty((batch, table_width), dtype=torch.int32, device=picks.device)
@@ -175,9 +229,9 @@ def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.
     interpret = interpreted(picks)
     _selected_reads_kernel[(batch,)](
         picks.contiguous(), in_place.contiguous(), host_ids.contiguous(), fixed_read.contiguous().view(torch.int8),
-        victims, num_victims, group_first, free_tokens, other_tables.contiguous(), other_lens, choice,
-        src, rows, tables, lens,
-        num_seqs, num_picks, width, table_width, victims.numel(), staging_base, other_offset, block_size,
+        victims.contiguous(), num_victims.contiguous(), group_first.contiguous(), free_tokens.contiguous(),
+        other_tables.contiguous(), other_lens.contiguous(), choice.contiguous(), src, rows, tables, lens,
+        layer, num_seqs, num_picks, width, table_width, victims.shape[1], staging_base, other_offset, block_size,
         BLOCK_S=next_pow2(num_seqs), BLOCK_K=next_pow2(num_picks), BLOCK_W=row_tile(width, interpret),
         BLOCK_TW=row_tile(table_width, interpret),
     )

@@ -11,7 +11,7 @@ from _gpu_util import assert_close
 
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.pipeline import TieredAttention
-from nanovllm.kvcache.reuse import TierRows
+from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.ops import prefill_attention, prefill_attention_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention_ref
 from nanovllm.ops.xattn_mask import xattn_block_mask
