@@ -285,3 +285,12 @@ def test_an_unused_victim_keeps_its_block_and_a_step_must_be_recorded_first():
     cache = warm()
     cache.record(0, [], [(6, 0)])  # 6 missed (it had left the map) and landed in row 0
     assert cache.cached(0) == {7: 2, 6: 0} and cache.begin_step(1) == [[1]], "row 1's old copy of 6: freed"
+
+
+def test_a_reuse_cache_too_large_to_allocate_is_named(qwen3_dir):
+    """A reuse cache that cannot be allocated (its size defaults to sparse_topk_blocks) is named in
+    the error, not only num_kvcache_blocks."""
+    from _util import build_llm
+    with pytest.raises(RuntimeError, match="10000000000 reuse-cache rows \\(num_reuse_cache_blocks"):
+        build_llm(qwen3_dir, enable_cpu_offload=True, num_kvcache_blocks=8, num_cpu_kvcache_blocks=8,
+                  sparse_policy="QUEST", num_reuse_cache_blocks=10**10)

@@ -103,9 +103,14 @@ class KVCache:
         try:  # on CPU untouched pages cost nothing: every slot is written before it is read
             rows = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
         except RuntimeError as err:
-            raise RuntimeError(f"cannot allocate the KV cache: num_kvcache_blocks={sizes.gpu_blocks} x "
-                               f"{g.block_bytes} bytes = {sizes.gpu_blocks * g.block_bytes / 2**30:.1f} GiB on "
-                               f"{self.device}: {err}") from err
+            parts = f"num_kvcache_blocks={sizes.gpu_blocks}"
+            if self.reuse_rows or self.staging_rows:
+                parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks, by default "
+                          f"sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
+            total = ((sizes.gpu_blocks + self.reuse_rows) * g.block_bytes
+                     + self.staging_rows * g.block_bytes // g.num_layers)
+            raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
+                               f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots)
