@@ -4,29 +4,22 @@ QUEST decode waits per layer for its picks on the host before it can issue their
 kernel that reads the picked blocks straight from the pinned host tier (CUDA unified virtual
 addressing: a pinned allocation is addressable from the device) needs no host round trip. This
 measures, for 5 picked blocks of 16 MiB (one layer of a 4,096-token Llama-3.1-8B block, keys or
-values) out of 32 pinned ones: ``cudaMemcpyAsync`` per block, a Triton gather kernel given the
-pinned tensor (picks read on the device), and ``torch.index_select`` on a CUDA view of the
-pinned memory. Each result is checked bit for bit. Prints one JSON document (GB/s).
+values) out of 32 pinned ones: ``cudaMemcpyAsync`` per block, the engine's gather kernel
+(:func:`nanovllm.ops.gather_host_blocks`, given the pinned tensor, picks read on the device), and
+``torch.index_select`` on a CUDA view of the pinned memory. Each result is checked bit for bit.
+Prints one JSON document (GB/s).
 
     python -m benchmarks.bench_uva_gather      # CUDA only
 """
 import json
 
 import torch
-import triton
-import triton.language as tl
+
+from nanovllm.ops import gather_host_blocks
 
 NUM_BLOCKS, BLOCK_ELEMS = 32, 8 * 2**20  # int16 elements: 16 MiB per block
+BLOCK_SHAPE = (2, 4096, 8, 128)  # the block as keys and values of [block_size, Hkv, D], as the gather op takes it
 PICKS = [3, 9, 17, 22, 30]
-
-
-@triton.jit
-def _gather_kernel(src, picks, dst, n, TILE: tl.constexpr):
-    """dst[b] = src[picks[b]] for rows of n elements; program (tile, b)."""
-    b = tl.program_id(1)
-    row = tl.load(picks + b)
-    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    tl.store(dst + b * n + offs, tl.load(src + row * n + offs, mask=offs < n), mask=offs < n)
 
 
 class _CudaView:
@@ -59,10 +52,10 @@ def main() -> None:
     view = torch.as_tensor(_CudaView(host), device="cuda")
     results = {"memcpy_async": gb_per_s(lambda: [dst[i].copy_(host[b], non_blocking=True)
                                                   for i, b in enumerate(PICKS)], dst, expected)}
-    for tile in (2048, 8192, 32768):
-        grid = (triton.cdiv(BLOCK_ELEMS, tile), len(PICKS))
-        results[f"triton_gather_tile{tile}"] = gb_per_s(
-            lambda: _gather_kernel[grid](host, picks, dst, BLOCK_ELEMS, TILE=tile), dst, expected)
+    src, rows = host.view(NUM_BLOCKS, *BLOCK_SHAPE), dst.view(len(PICKS), *BLOCK_SHAPE)
+    dst_ids = torch.arange(len(PICKS), device="cuda")
+    results["gather_host_blocks"] = gb_per_s(
+        lambda: gather_host_blocks(src[:, 0], src[:, 1], picks, rows[:, 0], rows[:, 1], dst_ids), dst, expected)
     results["index_select_on_cuda_view"] = gb_per_s(lambda: torch.index_select(view, 0, picks, out=dst), dst, expected)
     print(json.dumps({"device": torch.cuda.get_device_name(), "block_mib": BLOCK_ELEMS * 2 / 2**20,
                       "blocks": len(PICKS), "gb_per_s": results}))

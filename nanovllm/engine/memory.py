@@ -35,7 +35,12 @@ class KVGeometry(NamedTuple):
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of every layer, keys and values."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer of one block, keys and values (a ring slot, a staging row)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class TierSizes(NamedTuple):

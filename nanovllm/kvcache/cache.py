@@ -87,9 +87,13 @@ class KVCache:
         the reuse cache's rows, the staging rows (a ring slot, a staging row: one layer of a block)."""
         if not self.tiered:
             return 0
-        slot_bytes = self.geometry.block_bytes // self.geometry.num_layers
-        return ((self.config.num_ring_slots + self.staging_rows) * slot_bytes
-                + num_host_blocks * self.metadata_bytes_per_block() + self.reuse_rows * self.geometry.block_bytes)
+        return (self.config.num_ring_slots * self.geometry.layer_block_bytes + self._decode_rows_bytes()
+                + num_host_blocks * self.metadata_bytes_per_block())
+
+    def _decode_rows_bytes(self) -> int:
+        """Bytes of the reuse cache's rows (one per layer each) and the staging rows (one layer each)."""
+        g = self.geometry
+        return self.reuse_rows * g.block_bytes + self.staging_rows * g.layer_block_bytes
 
     def allocate(self, sizes: TierSizes):
         """Allocate both tiers and the policy's metadata.
@@ -107,14 +111,13 @@ class KVCache:
             if self.reuse_rows or self.staging_rows:
                 parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks, by default "
                           f"sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
-            total = ((sizes.gpu_blocks + self.reuse_rows) * g.block_bytes
-                     + self.staging_rows * g.block_bytes // g.num_layers)
+            total = sizes.gpu_blocks * g.block_bytes + self._decode_rows_bytes()
             raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots)
-        self.kv = rows[:, :self.layout.staging_base].unflatten(1, (g.num_layers, self.layout.layer_rows))
+        self.kv = self.layout.per_layer(rows)
         self.num_gpu_blocks = sizes.gpu_blocks
         reuse = ReuseCache(g.num_layers, self.reuse_rows, sizes.gpu_blocks) if self.reuse_rows else None
         self.attention.bind(rows, self.layout, self.host, reuse)
@@ -130,7 +133,7 @@ class KVCache:
             for name, n in tiers), g.block_size, g.num_layers, g.dtype,
             f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
-            f"{self.staging_rows} staging rows ({self.staging_rows * g.block_bytes / g.num_layers / 2**30:.2f} GiB)"
+            f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
             if self.host else "")
 
     def release(self):

@@ -81,7 +81,6 @@ class TieredAttention:
     def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float):
         self.policy, self.stats, self.scale = policy, stats, scale
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = None
-        self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
         self.reuse: ReuseCache | None = None
@@ -90,10 +89,9 @@ class TieredAttention:
 
     def bind(self, rows: torch.Tensor, layout: TierRows, host: HostTier | None, reuse: ReuseCache | None = None):
         """The GPU tier as rows ``[2, layout.total, block_size, Hkv, D]`` (keys, values; see
-        ``reuse.py``), the host tier and the reuse cache."""
-        self.k_rows, self.v_rows, self.layout, self.host, self.reuse = rows[0], rows[1], layout, host, reuse
-        self.k_cache, self.v_cache = (r[:layout.staging_base].unflatten(0, (layout.num_layers, layout.layer_rows))
-                                      for r in (rows[0], rows[1]))
+        ``tier_rows.py``), the host tier and the reuse cache."""
+        self.k_rows, self.v_rows, self.host, self.reuse = rows[0], rows[1], host, reuse
+        self.k_cache, self.v_cache = layout.per_layer(rows)
         self.ring = RingReader(host) if host is not None else None
 
     def release(self):
@@ -229,24 +227,26 @@ class TieredAttention:
         selection = ctx.selection
         picks = self.policy.select_decode_blocks(layer, selection.queries(q), selection.blocks)
         src, dst, tables, lens = selection.layer_reads(layer, picks)
-        out = lse = None
-        for group, batch_rows in selection.groups:
-            if self.host is not None:
-                self.host.gather(layer, selection.group_src(group, src).flatten(), self.k_rows, self.v_rows,
-                                 dst.flatten())
-            if batch_rows is None:
-                out, lse = decode_attention(q, self.k_rows, self.v_rows, tables, lens, self.scale, return_lse=True)
-                continue
-            if out is None:
-                out = q.new_zeros(q.shape, dtype=torch.float32)
-                lse = q.new_zeros(q.shape[:2], dtype=torch.float32)
-            group_out, group_lse = decode_attention(q[batch_rows], self.k_rows, self.v_rows, tables[batch_rows],
-                                                    lens[batch_rows], self.scale, return_lse=True)
-            out.index_copy_(0, batch_rows, group_out)
-            lse.index_copy_(0, batch_rows, group_lse)
+        if selection.groups is None:  # one gather and one paged read for the batch
+            self._gather(layer, src, dst)
+            out, lse = decode_attention(q, self.k_rows, self.v_rows, tables, lens, self.scale, return_lse=True)
+        else:  # the staging rows are reused group after group
+            out = q.new_zeros(q.shape, dtype=torch.float32)
+            lse = q.new_zeros(q.shape[:2], dtype=torch.float32)
+            for group, batch_rows in selection.groups:
+                self._gather(layer, selection.group_src(group, src), dst)
+                group_out, group_lse = decode_attention(q[batch_rows], self.k_rows, self.v_rows, tables[batch_rows],
+                                                        lens[batch_rows], self.scale, return_lse=True)
+                out.index_copy_(0, batch_rows, group_out)
+                lse.index_copy_(0, batch_rows, group_lse)
         selection.gathered(picks)
         self._fold_ring(q, out, lse, selection.fixed_loads)
         return out.to(q.dtype)
+
+    def _gather(self, layer: int, src: torch.Tensor, dst: torch.Tensor):
+        """Gather the host blocks ``src`` into rows ``dst`` (``[S, k]`` each, -1: none)."""
+        if self.host is not None:
+            self.host.gather(layer, src.flatten(), self.k_rows, self.v_rows, dst.flatten())
 
     def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]]):
         """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``."""

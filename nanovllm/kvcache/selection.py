@@ -89,8 +89,9 @@ class DecodeSelection:
     Attributes:
         blocks: the candidates of the choosing sequences (``nanovllm.sparse.DecodeBlocks``).
         fixed_loads: ``(batch row, host block)`` every layer reads whatever the query, in order.
-        groups: the choosing sequences' groups, each ``(group index, batch rows)``; batch rows is
-            None for a single group of the whole batch.
+        groups: None when one gather and one paged read serve the batch; else each group of
+            choosing sequences as ``(group index, batch rows)`` (an int64 device tensor; the
+            sequences that do not choose with group 0).
         picks: the policy's picks of each layer so far (int64 ``[S, k]`` device tensors).
     """
 
@@ -139,6 +140,8 @@ class DecodeSelection:
 
     @staticmethod
     def _candidates(rows: list[_Row], choosing: list[int], num_gpu_blocks: int, device) -> DecodeBlocks:
+        """The candidates of the choosing sequences: metadata slots ``[S, W]`` (W their longest
+        table), NO_BLOCK for fixed blocks and padding."""
         width = max(len(rows[r].gpu_table) for r in choosing)
         slots = []
         for r in choosing:
@@ -164,7 +167,7 @@ class DecodeSelection:
         self.group_first_host = torch.tensor([group_of.index(g) for g in group_of])
         self.group_first = self.group_first_host.to(self.device)
         self.group_of = to_device(group_of, torch.int64, self.device)
-        self.groups = [(0, None)] if group_of[-1] == 0 else [
+        self.groups = None if group_of[-1] == 0 else [
             (g, to_device([self.choosing[s] for s, x in enumerate(group_of) if x == g]
                           + ([r for r, row in enumerate(self.rows) if row.choosing < 0] if g == 0 else []),
                           torch.int64, self.device))
@@ -230,7 +233,6 @@ class DecodeSelection:
         tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
         lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
                 for t, row in zip(tables, self.rows)]
-        self.table_width = width
         self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
         self.other_lens = to_device(lens, torch.int64, self.device)
         self.choice = to_device([row.choosing for row in self.rows], torch.int64, self.device)
@@ -245,7 +247,7 @@ class DecodeSelection:
         """What ``layer`` reads given the policy's picks (int64 ``[S, k]``, -1 for none), on the
         device without a host sync (:func:`nanovllm.ops.selected_reads`, one launch):
         ``(src, dst, tables, lens)``: the gather list (host block ids, -1 for none, and rows, int64
-        ``[S, k]``), int32 block tables ``[B, table_width]`` (rows of :class:`TierRows`) and
+        ``[S, k]``), int32 block tables ``[B, TW]`` (rows of :class:`TierRows`) and
         context lengths ``[B]`` of the batch."""
         return selected_reads(picks, self.in_place, self.host_ids, self.fixed_read, self.victims, self.num_victims,
                               layer, self.group_first, self.free_tokens, self.layout.staging_base, self.block_size,
@@ -257,7 +259,7 @@ class DecodeSelection:
 
     def group_src(self, group: int, src: torch.Tensor) -> torch.Tensor:
         """The gather list ``src`` restricted to the sequences of ``group``."""
-        return src if len(self.groups) == 1 else torch.where(self.group_of[:, None] == group, src, -1)
+        return torch.where(self.group_of[:, None] == group, src, -1)
 
     # ---- after the step (host) ---------------------------------------------------------
     def replay(self, picks: list[torch.Tensor], reuse: ReuseCache | None, stats: SparseStats, host_tier) -> None:

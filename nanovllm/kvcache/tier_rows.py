@@ -10,6 +10,8 @@ blocks, reuse-cache rows and staging rows, and the staging rows exist once, not 
 """
 from typing import NamedTuple
 
+import torch
+
 STAGING_SEQS = 8
 """Sequences whose picks the staging rows hold at once: ``sparse_topk_blocks`` rows each."""
 
@@ -41,6 +43,11 @@ class TierRows(NamedTuple):
     def total(self) -> int:
         """Rows of the table."""
         return self.staging_base + self.staging_rows
+
+    def per_layer(self, rows: torch.Tensor) -> torch.Tensor:
+        """The layers' part of ``rows`` ``[2, total, ...]`` (keys, values) as ``[2, num_layers,
+        layer_rows, ...]``, a view."""
+        return rows[:, :self.staging_base].unflatten(1, (self.num_layers, self.layer_rows))
 
     def row(self, layer: int, block: int) -> int:
         """The row of GPU-tier block (or reuse-cache row) ``block`` of ``layer``."""

@@ -119,6 +119,13 @@ def _decode_tile(
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
+@triton.jit
+def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each token n0 .. n0 + BLOCK_N - 1 (0 past ``end``)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
+
+
 @triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
@@ -154,13 +161,11 @@ def _decode_split_kernel(
     # loading them with the tile). Triton's interpreter (numpy 2) cannot take tensor bounds in
     # range(); compiled kernels keep the for loop, which Triton software-pipelines (the while form
     # ran 10-20% slower on the H200).
-    block = tl.load(table_row + (start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
-                    mask=start + tl.arange(0, BLOCK_N) < end, other=0)
+    block = _tile_blocks(table_row, start, end, BLOCK_N, BLOCK_SIZE)
     if WHILE_LOOP:
         n0 = start
         while n0 < end:
-            following = tl.load(table_row + (n0 + BLOCK_N + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
-                                mask=n0 + BLOCK_N + tl.arange(0, BLOCK_N) < end, other=0)
+            following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
                                          scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
                                          BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
@@ -168,8 +173,7 @@ def _decode_split_kernel(
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            following = tl.load(table_row + (n0 + BLOCK_N + tl.arange(0, BLOCK_N)) // BLOCK_SIZE,
-                                mask=n0 + BLOCK_N + tl.arange(0, BLOCK_N) < end, other=0)
+            following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
                                          scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
                                          BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
