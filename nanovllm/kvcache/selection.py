@@ -51,6 +51,7 @@ class _Row:
         self.free_tokens = len(gpu_table) * block_size - length
 
     def host_candidates(self) -> int:
+        """Candidate blocks (not fixed) that only the host tier holds: the most this row can miss."""
         fixed = set(self.fixed)
         return sum(1 for j, g in enumerate(self.gpu_table) if g == NO_BLOCK and j not in fixed)
 
@@ -79,6 +80,7 @@ class StepPicks:
         return list(host.split([p.numel() for p in picks]))
 
     def wait(self):
+        """Block the host until the last :meth:`copy` landed (no-op on CPU)."""
         if self._ready is not None:
             self._ready.synchronize()
 
