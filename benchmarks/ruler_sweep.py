@@ -10,7 +10,9 @@ with its error and the sweep goes on; --table prints the lines as a Markdown tab
 Settings: full-gpu (FULL, no host tier); full-host-2 / full-host-4 (FULL with the host tier
 holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, prompts
 of 4 full blocks); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4
-or 8, with a reuse cache); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
+or 8, with a reuse cache); quest-k2-gpu ... quest-k12-gpu (QUEST at top-k 2, 4, 6, 8, 12
+with the same blocks and no host tier: the same picks, since the scores do not depend on the tier,
+without the host tier's decode cost, for the trade-off curve); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
 threshold, no host tier).
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
@@ -43,6 +45,7 @@ SETTINGS = {
     "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=4),
     "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4),
     "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8),
+    **{f"quest-k{k}-gpu": dict(blocks=31, sparse_policy="QUEST", sparse_topk_blocks=k) for k in (2, 4, 6, 8, 12)},
     "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
     "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
     "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),

@@ -15,6 +15,7 @@ import torch
 from _interpreter import eager_only, interpreted_only, run_interpreted_tests
 from _util import selection_case
 
+from nanovllm.ops import decode_merge
 from nanovllm.ops import (
     apply_rotary,
     apply_rotary_ref,
@@ -499,10 +500,9 @@ def test_selected_reads_checks_its_arguments():
     case = selection_case(0, 4, 1, 8, 2, 2, 1)
     with pytest.raises(ValueError, match="fixed_read must be bool"):
         selected_reads(**{**case, "fixed_read": case["fixed_read"].long()})
-    with pytest.raises(ValueError, match="other_tables has 8 columns, fewer than the W=10 blocks"):
-        wide = {**case, "in_place": torch.cat([case["in_place"], case["in_place"][:, :, :2]], 2)}
-        selected_reads(**{**wide, "host_ids": wide["in_place"][1], "fixed_read": wide["in_place"][1] >= 0,
-                          "other_tables": case["other_tables"][:, :8]})
+    reads = int((selected_reads_ref(**case)[2][case["choice"] >= 0] >= 0).sum(1).max())
+    with pytest.raises(ValueError, match=f"reads {reads} blocks, more than the {reads - 1} columns of other_tables"):
+        selected_reads_ref(**{**case, "other_tables": case["other_tables"][:, :reads - 1]})
     with pytest.raises(ValueError, match="layer=3 is outside 0..2"):
         selected_reads(**{**case, "layer": 3})
     with pytest.raises(ValueError, match="victims must be \\[L=3, V >= 1\\]"):
@@ -519,6 +519,24 @@ def test_interpreted_selected_reads_matches_reference(batch, others, width, k, v
         case = selection_case(seed, batch, others, width, k, victims, groups)
         for got, want in zip(selected_reads(**case), selected_reads_ref(**case)):
             assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@interpreted_only
+def test_interpreted_selected_reads_tables_as_wide_as_the_most_reads():
+    """Tables narrower than a choosing row's blocks (as the engine sizes them: the most blocks a row
+    reads) hold the same entries as wide ones, in both the kernel and the reference."""
+    for seed in range(3):
+        case = selection_case(seed, 5, 2, 20, 3, 2, 1)
+        wide = selected_reads_ref(**case)
+        reads = int((wide[2][case["choice"] >= 0] >= 0).sum(1).max())
+        assert reads < 20
+        narrow = {**case, "other_tables": case["other_tables"][:, :reads]}
+        for got, want in zip(selected_reads(**narrow), selected_reads_ref(**narrow)):
+            assert torch.equal(got, want)
+        want_tables = torch.where(case["other_tables"][:, :reads] >= 0, case["other_tables"][:, :reads] + 7000, -1)
+        choosing = case["choice"] >= 0
+        assert torch.equal(selected_reads_ref(**narrow)[2][choosing], wide[2][choosing, :reads])
+        assert torch.equal(selected_reads_ref(**narrow)[2][~choosing], want_tables[~choosing].int())
 
 
 # ---------------------------------------------------------------- argument checks
@@ -761,6 +779,28 @@ def test_interpreted_decode_attend_merge_matches_reference(dtype, heads_q, heads
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert_close(out, ref_out, tol)
     assert_close(lse, ref_lse, 1e-5 if dtype == torch.float32 else 1e-3)
+
+
+@interpreted_only
+@pytest.mark.parametrize("heads_q,heads_kv,dim", [(4, 2, 64), (32, 8, 128)])
+def test_interpreted_split_fold_matches_reference(heads_q, heads_kv, dim):
+    """Chunks of 1,000 and 4,096 keys over few KV heads: the keys are split into parts and merged by
+    a second launch (``_split_plan``); a short chunk between them folds unsplit."""
+    assert decode_merge._split_plan(heads_kv, 1000, 64)[0] > 1 and decode_merge._split_plan(heads_kv, 300, 64)[0] == 1
+    keys, values = torch.randn(2, 5396, heads_kv, dim).unbind(0)
+    q = torch.randn(heads_q, dim) * 2
+    bounds = [0, 1000, 1300, 5396]
+    out, lse = _fold_chunks(decode_attend_merge, q, keys, values, bounds, dim**-0.5)
+    ref_out, ref_lse = _fold_chunks(decode_attend_merge_ref, q, keys, values, bounds, dim**-0.5)
+    assert_close(out, ref_out, 1e-5)
+    assert_close(lse, ref_lse, 1e-5)
+
+
+def test_fold_split_plan_fills_the_gpu_with_parts_of_whole_tiles():
+    assert decode_merge._split_plan(8, 4096, 64) == (16, 256), "Llama-3.1-8B batch 1: 8 programs -> 128"
+    assert decode_merge._split_plan(2, 1024, 64) == (4, 256), "at least 256 keys a part"
+    assert decode_merge._split_plan(32, 4096, 64) == (1, 4096), "enough programs: one part"
+    assert decode_merge._split_plan(1, 100_000, 64) == (32, 3136), "at most 32 parts, whole tiles"
 
 
 @interpreted_only

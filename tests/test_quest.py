@@ -7,8 +7,9 @@ import torch
 
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, greedy, random_prompt
-from nanovllm.sparse.quest import QUEST_PAGE_SIZE, QuestPolicy, select_top_blocks
-from nanovllm.sparse.quest_scores import block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds
+from nanovllm.sparse.quest import QUEST_PAGE_SIZE, QuestPolicy
+from nanovllm.sparse.quest_scores import (block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds,
+                                          select_top_blocks, top_blocks, top_blocks_ref)
 
 
 def test_bounds_bound_every_key_of_the_block_per_head():
@@ -79,8 +80,51 @@ def test_interpreted_quest_bounds_kernel_equals_reference(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+def random_bounds(seed: int, seqs: int, blocks: int, heads: int) -> torch.Tensor:
+    """float32 ``[S, M, Hq]`` bounds, about a third of the blocks not candidates (-inf for every
+    head) and the last sequence without any candidate."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = torch.randn(seqs, blocks, heads, generator=gen) * 3
+    bounds[torch.rand(seqs, blocks, generator=gen) < 0.3] = float("-inf")
+    bounds[-1] = float("-inf")
+    return bounds
+
+
+def assert_same_picks(got: torch.Tensor, bounds: torch.Tensor, scale: float, topk: int):
+    """``got`` picks what :func:`top_blocks_ref` picks: the same -1 entries and, best first, the
+    same scores (to float rounding, so that a near-tie may pick either block)."""
+    want = top_blocks_ref(bounds, scale, topk)
+    assert got.shape == want.shape and got.dtype == torch.int64
+    assert torch.equal(got < 0, want < 0)
+    scores = block_scores(bounds, scale)
+    valid = want >= 0
+    torch.testing.assert_close(scores.gather(1, got.clamp(min=0))[valid], scores.gather(1, want.clamp(min=0))[valid],
+                               rtol=0, atol=1e-5)
+    for row in got.tolist():
+        picked = [c for c in row if c >= 0]
+        assert len(set(picked)) == len(picked)
+
+
+@interpreted_only
+@pytest.mark.parametrize("blocks,heads,topk", [(37, 6, 4), (9, 14, 16), (600, 14, 8)])
+def test_interpreted_top_blocks_kernel_equals_reference(blocks, heads, topk):
+    """Fewer candidates than top-k (-1 padding), a sequence without candidates, and (600 blocks)
+    heads in several tiles."""
+    for seed in range(3):
+        bounds = random_bounds(seed, 4, blocks, heads)
+        assert_same_picks(top_blocks(bounds, 0.125, topk), bounds, 0.125, topk)
+
+
+def test_top_blocks_checks_its_arguments():
+    bounds = random_bounds(0, 2, 5, 4)
+    with pytest.raises(ValueError, match="bounds must be float32"):
+        top_blocks(bounds.double(), 1.0, 2)
+    with pytest.raises(ValueError, match="topk must be >= 1, got 0"):
+        top_blocks(bounds, 1.0, 0)
+
+
 def test_triton_kernel_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=2)
+    run_interpreted_tests(__file__, min_passed=5)
 
 
 def test_selection_takes_the_best_candidates():

@@ -29,6 +29,7 @@ at the next step's start :meth:`DecodeSelection.replay` recomputes with the kern
 (:func:`nanovllm.ops.pick_rows`) where each miss landed, updates the reuse cache and counts the step's statistics.
 """
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache
@@ -179,7 +180,7 @@ class DecodeSelection:
         self.free_tokens, self.victims, self.num_victims = dev["free_tokens"], dev["victims"], dev["num_victims"]
         self.query_rows = None if len(self.choosing) == len(self.rows) else to_device(self.choosing, torch.int64,
                                                                                       self.device)
-        self._other_tables()
+        self._other_tables(policy)
 
     def _host_tensors(self, rows: list[_Row], victims: list[list[int]], reuse: ReuseCache | None):
         """The step's tensors on the host (``planned``, kept for :meth:`replay`)."""
@@ -228,11 +229,16 @@ class DecodeSelection:
             group_of.append(group)
         return group_of
 
-    def _other_tables(self):
+    def _other_tables(self, policy: SparsePolicy):
         """Block tables (local block ids) and context lengths of the batch; the rows of the
-        choosing sequences are written per layer."""
-        width = max(self.width, max(len(row.gpu_table) for row in self.rows))
+        choosing sequences are written per layer. The tables are as wide as the most blocks a row
+        reads (a choosing row: its fixed GPU-tier blocks and its most picks), not as its logical
+        blocks: the paged kernel splits its work by the table's width."""
         tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
+        width = max(max(map(len, tables)),
+                    max(sum(row.gpu_table[j] != NO_BLOCK for j in row.fixed)
+                        + policy.max_decode_picks(len(row.gpu_table) - len(row.fixed))
+                        for row in self.rows if row.choosing >= 0))
         lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
                 for t, row in zip(tables, self.rows)]
         self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
@@ -266,27 +272,37 @@ class DecodeSelection:
     # ---- after the step (host) ---------------------------------------------------------
     def replay(self, picks: list[torch.Tensor], reuse: ReuseCache | None, stats: SparseStats, host_tier) -> None:
         """Record the step from its picks (host tensors, one per layer that ran): where each miss
-        landed (the reuse cache's entries), the reuse and traffic statistics, the bytes read."""
-        h = self.planned
-        group_first = self.group_first_host
-        for layer in range(self.layout.num_layers):
-            if layer >= len(picks):  # the step stopped before this layer's gathers were all launched
-                if reuse is not None:
-                    reuse.release(layer)
-                continue
-            layer_picks = picks[layer].view(len(self.choosing), -1)
-            rows, miss = pick_rows(layer_picks, h["in_place"][layer], h["victims"][layer], h["num_victims"][layer],
-                                   group_first, self.layout.staging_base)
-            host_ids = h["host_ids"].gather(1, layer_picks.clamp(min=0))
-            host_pick = (layer_picks >= 0) & (host_ids >= 0)
-            hits, misses = host_pick & ~miss, int(miss.sum())
-            if reuse is not None:
-                local = rows - layer * self.layout.layer_rows
-                placed = miss & (rows < self.layout.staging_base)
-                placements = list(zip(host_ids[placed].tolist(), local[placed].tolist()))
-                reuse.record(layer, host_ids[hits].tolist(), placements)
-                if host_pick.any():
-                    stats.add_reuse(layer, int(hits.sum()), int(host_pick.sum()))
-            if self.num_host_blocks:
-                stats.add_comm(layer, False, len(self.fixed_loads) + misses, self.num_host_blocks)
-            host_tier.note_gathered(misses)
+        landed (the reuse cache's entries), the reuse and traffic statistics, the bytes read. The
+        layers that ran are replayed at once (one :func:`pick_rows` over all of them): the host
+        does this between two steps, while the GPU waits."""
+        h, done = self.planned, len(picks)
+        if reuse is not None:
+            for layer in range(done, self.layout.num_layers):  # the step stopped before these layers' gathers
+                reuse.release(layer)
+        if not done:
+            return
+        layer_picks = pad_sequence([p.view(len(self.choosing), -1).T for p in picks], batch_first=True,
+                                   padding_value=-1).transpose(1, 2)  # [done, S, k]: -1 pads a layer's fewer picks
+        rows, miss = pick_rows(layer_picks, h["in_place"][:done], h["victims"][:done], h["num_victims"][:done],
+                               self.group_first_host, self.layout.staging_base)
+        host_ids = h["host_ids"].expand(done, -1, -1).gather(2, layer_picks.clamp(min=0))
+        host_pick = (layer_picks >= 0) & (host_ids >= 0)
+        misses = miss.sum((1, 2)).tolist()
+        if reuse is not None:
+            self._record_reuse(reuse, stats, rows, miss, host_ids, host_pick)
+        if self.num_host_blocks:
+            for layer, num_misses in enumerate(misses):
+                stats.add_comm(layer, False, len(self.fixed_loads) + num_misses, self.num_host_blocks)
+        host_tier.note_gathered(sum(misses))
+
+    def _record_reuse(self, reuse: ReuseCache, stats: SparseStats, rows, miss, host_ids, host_pick) -> None:
+        """The reuse cache's outcome of each replayed layer (``[layers, S, k]`` tensors)."""
+        hits = host_pick & ~miss
+        placed = miss & (rows < self.layout.staging_base)
+        local = rows - torch.arange(rows.shape[0])[:, None, None] * self.layout.layer_rows
+        num_hits, num_picked = hits.sum((1, 2)).tolist(), host_pick.sum((1, 2)).tolist()
+        for layer in range(rows.shape[0]):
+            placements = list(zip(host_ids[layer][placed[layer]].tolist(), local[layer][placed[layer]].tolist()))
+            reuse.record(layer, host_ids[layer][hits[layer]].tolist(), placements)
+            if num_picked[layer]:
+                stats.add_reuse(layer, num_hits[layer], num_picked[layer])

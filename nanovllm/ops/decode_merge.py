@@ -5,13 +5,15 @@ computing each block's partial output and LSE and then merging them (three or mo
 two temporaries per block), one kernel per block runs FlashAttention-2's online softmax over the
 block (Dao, 2023) and folds the result into the running ``(out, lse)`` state with the
 log-sum-exp rescaling of Flash-Decoding's split-K reduction. The host work per block is one
-launch, which keeps the host ahead of the copy engine.
+launch, which keeps the host ahead of the copy engine; a fold with few programs over many keys
+(batch-1 decode of a few KV heads) splits its keys like Flash-Decoding and merges the parts with
+a second launch.
 """
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, online_softmax_step, tl, triton,
-                      use_triton)
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2,
+                      online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 
 _BLOCK_G = MIN_DOT_ROWS
@@ -19,6 +21,16 @@ _BLOCK_G = MIN_DOT_ROWS
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
+_SPLIT_BELOW_PROGRAMS = 32
+"""A fold whose (kv head, q-head chunk) programs are fewer than this splits its keys..."""
+_MIN_SPLIT_KEYS = 256
+"""... into parts of at least this many keys (so at least two parts of it) ..."""
+_SPLIT_PROGRAMS = 128
+"""... aiming at this many programs (one batch-1 decode layer's fold of a 4,096-token block of
+Llama-3.1-8B: 8 programs unsplit took 100 us on the H200, the fixed block's fold on QUEST's
+per-layer chain)..."""
+_MAX_SPLITS = 32
+"""... and at most this many parts."""
 
 
 def _check_args(q, k, v, out, lse) -> None:
@@ -61,15 +73,19 @@ def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["num_keys"])
+@triton.jit(do_not_specialize=["num_keys", "keys_per_split"])
 def _decode_attend_merge_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, num_keys, scale_log2,
-    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, num_keys, keys_per_split, scale_log2,
+    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh, stride_ph, stride_ps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Program (kv head, q-head chunk, part): online softmax over the part's keys; unsplit (one
+    part) folded into ``(out, lse)`` here, split written to the part buffers for
+    :func:`_fold_parts_kernel`."""
     kv_head = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    part = tl.program_id(2)
     heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     g_mask, d_mask = g < GROUP, d < HEAD_DIM
@@ -78,28 +94,67 @@ def _decode_attend_merge_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    start = part * keys_per_split
+    end = tl.minimum(start + keys_per_split, num_keys)
     # The interpreter cannot take a tensor bound in range(); compiled kernels keep the for loop.
     if WHILE_LOOP:
-        n0 = 0
-        while n0 < num_keys:
-            m_i, l_i, acc = _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _tile(q, k_head, v_head, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
                                   stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
             n0 += BLOCK_N
     else:
-        for n0 in range(0, num_keys, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _tile(q, k_head, v_head, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
                                   stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
-    # Fold (acc / l_i, lse_blk) into the running state; num_keys >= 1, so lse_blk is finite.
+    # every part has >= 1 key, so lse_blk is finite
     lse_blk = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    lse_old = tl.load(lse_ptr + heads, mask=g_mask, other=float("-inf"))
-    lse_new = tl.maximum(lse_old, lse_blk) + tl.log(1.0 + tl.exp(-tl.abs(lse_old - lse_blk)))
-    w_old = tl.exp(lse_old - lse_new)
-    w_blk = tl.exp(lse_blk - lse_new) / l_i
-    o_ptrs = out_ptr + heads[:, None] * stride_oh + d[None, :]
     o_mask = g_mask[:, None] & d_mask[None, :]
-    o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, o_old * w_old[:, None] + acc * w_blk[:, None], mask=o_mask)
-    tl.store(lse_ptr + heads, lse_new, mask=g_mask)
+    if SPLIT:
+        parts = part_o_ptr + heads[:, None] * stride_ph + part * stride_ps + d[None, :]
+        tl.store(parts, acc / l_i[:, None], mask=o_mask)
+        tl.store(part_lse_ptr + heads * tl.num_programs(2) + part, lse_blk, mask=g_mask)
+    else:  # fold (acc / l_i, lse_blk) into the running state
+        lse_old = tl.load(lse_ptr + heads, mask=g_mask, other=float("-inf"))
+        lse_new = tl.maximum(lse_old, lse_blk) + tl.log(1.0 + tl.exp(-tl.abs(lse_old - lse_blk)))
+        w_old = tl.exp(lse_old - lse_new)
+        w_blk = tl.exp(lse_blk - lse_new) / l_i
+        o_ptrs = out_ptr + heads[:, None] * stride_oh + d[None, :]
+        o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, o_old * w_old[:, None] + acc * w_blk[:, None], mask=o_mask)
+        tl.store(lse_ptr + heads, lse_new, mask=g_mask)
+
+
+@triton.jit
+def _fold_parts_kernel(out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, num_parts, stride_oh, stride_ph, stride_ps,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program h: head h's parts and its running state, merged by LSE (in part order)."""
+    h = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask, d_mask = s < num_parts, d < HEAD_DIM
+    lse_parts = tl.load(part_lse_ptr + h * num_parts + s, mask=s_mask, other=float("-inf"))
+    lse_old = tl.load(lse_ptr + h)
+    top = tl.maximum(tl.max(lse_parts, 0), lse_old)  # finite: every part has keys
+    w_parts = tl.exp(lse_parts - top)
+    w_old = tl.exp(lse_old - top)
+    total = tl.sum(w_parts, 0) + w_old
+    o_parts = tl.load(part_o_ptr + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o_old = tl.load(out_ptr + h * stride_oh + d, mask=d_mask, other=0.0)
+    merged = (tl.sum(o_parts * w_parts[:, None], 0) + o_old * w_old) / total
+    tl.store(out_ptr + h * stride_oh + d, merged, mask=d_mask)
+    tl.store(lse_ptr + h, top + tl.log(total))
+
+
+def _split_plan(programs: int, num_keys: int, block_n: int) -> tuple[int, int]:
+    """(parts, keys per part) of a fold: one part when the programs fill enough of the GPU or the
+    keys are few; else parts of a multiple of ``block_n`` keys (see :data:`_SPLIT_PROGRAMS`)."""
+    if programs >= _SPLIT_BELOW_PROGRAMS or num_keys < 2 * _MIN_SPLIT_KEYS:
+        return 1, num_keys
+    parts = min(cdiv(_SPLIT_PROGRAMS, programs), _MAX_SPLITS, num_keys // _MIN_SPLIT_KEYS)
+    keys_per_split = cdiv(cdiv(num_keys, parts), block_n) * block_n
+    return cdiv(num_keys, keys_per_split), keys_per_split
 
 
 def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -122,8 +177,12 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     Raises:
         ValueError: shapes or dtypes that disagree, Hq not a multiple of Hkv, D outside 1..256.
 
-    CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles. CPU:
-    :func:`decode_attend_merge_ref` (or the kernel under the Triton interpreter).
+    CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles; when
+    those programs are few (under 32) and the keys many (512 or more), the keys are split into parts
+    (up to 32, aiming at 128 programs; unsplit, a batch-1 fold of a 4,096-token Llama-3.1-8B block
+    took 100 us on the H200) and a second launch merges the parts into the state, in part order
+    (deterministic). CPU: :func:`decode_attend_merge_ref` (or the kernels under the Triton
+    interpreter).
     """
     _check_args(q, k, v, out, lse)
     if k.shape[0] == 0:
@@ -137,11 +196,22 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     block_d = block_dim(dim)
-    _decode_attend_merge_kernel[(heads_kv, cdiv(group, _BLOCK_G))](
-        q, k, v, out, lse, k.shape[0], softmax_scale * LOG2E,
-        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
-        BLOCK_N=_BLOCK_N if block_d <= 128 else _BLOCK_N // 2,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda,
+    block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
+    g_chunks = cdiv(group, _BLOCK_G)
+    parts, keys_per_split = _split_plan(heads_kv * g_chunks, k.shape[0], block_n)
+    split = parts > 1
+    part_o = torch.empty((heads_q, parts, dim) if split else (1, 1, 1), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((heads_q, parts) if split else (1, 1), dtype=torch.float32, device=q.device)
+    _decode_attend_merge_kernel[(heads_kv, g_chunks, parts)](
+        q, k, v, out, lse, part_o, part_lse, k.shape[0], keys_per_split, softmax_scale * LOG2E,
+        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), part_o.stride(0),
+        part_o.stride(1),
+        GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda, SPLIT=split,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
+    if split:
+        _fold_parts_kernel[(heads_q,)](
+            out, lse, part_o, part_lse, parts, out.stride(0), part_o.stride(0), part_o.stride(1),
+            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=next_pow2(_MAX_SPLITS) if q.is_cuda else next_pow2(parts),
+        )

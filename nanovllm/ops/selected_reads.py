@@ -27,7 +27,8 @@ from ._triton import interpreted, next_pow2, row_tile, tl, triton, use_triton
 
 def pick_rows(picks: torch.Tensor, in_place: torch.Tensor, victims: torch.Tensor, num_victims: torch.Tensor,
               group_first: torch.Tensor, staging_base: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each pick of one layer is read (torch ops on the picks' device, no host sync).
+    """Where each pick of one layer is read (torch ops on the picks' device, no host sync); with a
+    leading dimension on every argument but ``group_first``, of several layers at once.
 
     Args:
         picks: int64 ``[S, k]`` logical blocks, -1 for none.
@@ -42,15 +43,15 @@ def pick_rows(picks: torch.Tensor, in_place: torch.Tensor, victims: torch.Tensor
         bool ``[S, k]`` the picks to gather into their row first (numbered as the module doc says).
     """
     valid = picks >= 0
-    found = in_place.gather(1, picks.clamp(min=0))
+    found = in_place.gather(-1, picks.clamp(min=0))
     miss = valid & (found < 0)
     count = miss.long()
-    number = count.flatten().cumsum(0).view_as(count) - count
-    per_seq = count.sum(1)
-    before = (per_seq.cumsum(0) - per_seq)[group_first]
-    victim = victims[number.clamp(max=victims.numel() - 1)]
-    staging = staging_base + number - torch.maximum(before, num_victims)[:, None]
-    dest = torch.where(number < num_victims, victim, staging)
+    number = count.flatten(-2).cumsum(-1).view_as(count) - count
+    per_seq = count.sum(-1)
+    before = (per_seq.cumsum(-1) - per_seq)[..., group_first]
+    victim = victims.gather(-1, number.clamp(max=victims.shape[-1] - 1).flatten(-2)).view_as(number)
+    staging = staging_base + number - torch.maximum(before, num_victims[..., None])[..., None]
+    dest = torch.where(number < num_victims[..., None, None], victim, staging)
     return torch.where(miss, dest, found).masked_fill(~valid, -1), miss
 
 
@@ -78,9 +79,6 @@ def _check_selected_reads_args(picks, in_place, host_ids, fixed_read, victims, n
     if other_tables.dim() != 2 or other_tables.shape[0] != batch or other_lens.shape != (batch,):
         raise ValueError(f"other_tables must be [B, TW] and other_lens [B] with B = len(choice) = {batch}; got "
                          f"{tuple(other_tables.shape)} and {tuple(other_lens.shape)}")
-    if other_tables.shape[1] < width:
-        raise ValueError(f"other_tables has {other_tables.shape[1]} columns, fewer than the W={width} blocks of a "
-                         f"choosing sequence")
     for name, t in (("picks", picks), ("in_place", in_place), ("host_ids", host_ids), ("victims", victims),
                     ("num_victims", num_victims), ("group_first", group_first), ("free_tokens", free_tokens),
                     ("other_tables", other_tables), ("other_lens", other_lens), ("choice", choice)):
@@ -102,10 +100,14 @@ def selected_reads_ref(picks, in_place, host_ids, fixed_read, victims, num_victi
     dump = torch.where(picks >= 0, picks, width)  # column ``width``: no pick
     loc = torch.cat([loc, loc.new_full((loc.shape[0], 1), -1)], 1).scatter(1, dump, rows)[:, :width]
     read = loc >= 0
+    table_width = other_tables.shape[1]
+    if read.numel() and int(read.sum(1).max()) > table_width:
+        raise ValueError(f"a choosing sequence reads {int(read.sum(1).max())} blocks, more than the "
+                         f"{table_width} columns of other_tables")
     position = torch.where(read, read.cumsum(1) - 1, width)
     table = loc.new_full((loc.shape[0], width + 1), -1).scatter(1, position, loc)[:, :width]
     lens = read.sum(1) * block_size - free_tokens
-    table = F.pad(table, (0, other_tables.shape[1] - width), value=-1)
+    table = F.pad(table, (0, max(0, table_width - width)), value=-1)[:, :table_width]
     tables = torch.where(other_tables >= 0, other_tables + other_offset, -1)
     choosing = (choice >= 0).nonzero().flatten()
     tables, lens = tables.index_copy(0, choosing, table), other_lens.index_copy(0, choosing, lens)
@@ -169,7 +171,7 @@ def _selected_reads_kernel(
     read = loc >= 0
     position = tl.cumsum(read.to(tl.int32), 0) - 1
     num_read = tl.sum(read.to(tl.int32), 0)
-    tl.store(tables_out + b * table_width + position, loc.to(tl.int32), mask=read)
+    tl.store(tables_out + b * table_width + position, loc.to(tl.int32), mask=read & (position < table_width))
     tl.store(tables_out + b * table_width + p, tl.full([BLOCK_TW], -1, tl.int32),
              mask=(p >= num_read) & (p < table_width))
     tl.store(lens_out + b, (num_read * block_size - tl.load(free_tokens + c)).to(tl.int32))
@@ -182,7 +184,8 @@ def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.
     """The gather list and block tables of one decode layer from its picks (see the module doc).
 
     Args (int64 device tensors unless said; S choosing sequences, B batch rows, W = blocks of the
-    longest choosing sequence, TW >= W):
+    longest choosing sequence, TW >= the most blocks a batch row reads: a choosing row's fixed
+    blocks read in place plus its picks, a row that does not choose its table):
         picks: ``[S, k]`` picked logical blocks of ``layer``, -1 for none.
         in_place: ``[L, S, W]`` per layer, the row each block is read from in place (-1: not in
             the GPU tier nor the reuse cache).
@@ -206,8 +209,9 @@ def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.
         context lengths, as :func:`nanovllm.ops.decode_attention` takes them.
 
     Raises:
-        ValueError: shapes that disagree (``TW < W`` included), a layer out of range, a
-            non-bool ``fixed_read`` or non-int64 ids. Values are not range-checked.
+        ValueError: shapes that disagree, a layer out of range, a non-bool ``fixed_read`` or
+            non-int64 ids; the reference also a choosing row reading more than TW blocks (the
+            kernel, which cannot raise, reads the first TW). Values are not range-checked.
 
     CUDA: one Triton launch, a program per batch row (each choosing program also counts the
     misses of the rows before it: ``S x k`` loads), no host sync. Its tiles are the next powers of

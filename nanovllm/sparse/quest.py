@@ -18,18 +18,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy
-from nanovllm.sparse.quest_scores import block_scores, quest_bounds
+from nanovllm.sparse.quest_scores import block_scores, quest_bounds, select_top_blocks, top_blocks
 from nanovllm.utils.distributed import tp_size
 
 QUEST_PAGE_SIZE = 16
 """Tokens per page of key bounds (Quest's default page size)."""
-
-
-def select_top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Per row of ``scores`` ``[S, M]`` (-inf: not a candidate), the columns of the ``topk`` best
-    candidates as int64 ``[S, min(topk, M)]``, -1 where a row has fewer candidates. No host sync."""
-    values, columns = scores.topk(min(topk, scores.shape[1]), dim=1)
-    return columns.masked_fill(values == float("-inf"), -1)
 
 
 class QuestPolicy(SparsePolicy):
@@ -83,7 +76,9 @@ class QuestPolicy(SparsePolicy):
         return min(self.topk_blocks, num_candidates)
 
     def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        scores = block_scores(quest_bounds(q, self.kmin[layer], self.kmax[layer], blocks.slots), self.scale)
-        if tp_size() > 1:  # this rank's heads -> all heads: every rank selects TP=1's blocks
-            dist.all_reduce(scores, op=dist.ReduceOp.SUM)
+        bounds = quest_bounds(q, self.kmin[layer], self.kmax[layer], blocks.slots)
+        if tp_size() == 1:
+            return top_blocks(bounds, self.scale, self.topk_blocks)
+        scores = block_scores(bounds, self.scale)
+        dist.all_reduce(scores, op=dist.ReduceOp.SUM)  # this rank's heads -> all heads: TP=1's blocks
         return select_top_blocks(scores, self.topk_blocks)

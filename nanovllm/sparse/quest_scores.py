@@ -22,8 +22,8 @@ so the bounds are read once and nothing is gathered or converted first; on CPU
 """
 import torch
 
-from nanovllm.ops._triton import (MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, next_pow2, tl, triton,
-                                  use_triton)
+from nanovllm.ops._triton import (MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, interpreted, next_pow2,
+                                  row_tile, tl, triton, use_triton)
 
 _BLOCK_P = 64
 """Pages per tile."""
@@ -64,6 +64,95 @@ def block_scores(bounds: torch.Tensor, scale: float) -> torch.Tensor:
     """
     shares = torch.softmax(bounds * scale, dim=1).nan_to_num_(0.0)  # a row without candidates: 0/0
     return shares.sum(2).masked_fill_(torch.isneginf(bounds[..., 0]), float("-inf"))
+
+
+def select_top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per row of ``scores`` ``[S, M]`` (-inf: not a candidate), the columns of the ``topk`` best
+    candidates as int64 ``[S, min(topk, M)]``, best first, -1 where a row has fewer candidates. No
+    host sync."""
+    values, columns = scores.topk(min(topk, scores.shape[1]), dim=1)
+    return columns.masked_fill(values == float("-inf"), -1)
+
+
+def top_blocks_ref(bounds: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+    """Reference of :func:`top_blocks`: :func:`block_scores`, then :func:`select_top_blocks`."""
+    return select_top_blocks(block_scores(bounds, scale), topk)
+
+
+_MAX_TOP_BLOCKS_TILE = 16384
+"""Most candidate blocks (rounded up to a power of two) :func:`top_blocks` holds in one program;
+beyond, :func:`top_blocks_ref` runs (2M tokens at 128-token blocks)."""
+_TOP_BLOCKS_TILE_ELEMS = 4096
+"""Bounds per tile of :func:`top_blocks` (blocks x heads)."""
+
+
+@triton.jit(do_not_specialize=["num_blocks", "num_heads"])
+def _top_blocks_kernel(bounds_ptr, picks_ptr, num_blocks, num_heads, scale, stride_bs, stride_bm, stride_ps,
+                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program s: sequence s's block scores (a softmax over its blocks per head, summed over heads),
+    then its K best blocks by repeated arg-max (the lowest column first among equal scores)."""
+    s = tl.program_id(0).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < num_blocks
+    rows = bounds_ptr + s * stride_bs + m[:, None] * stride_bm
+    score = tl.zeros([BLOCK_M], tl.float32)
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(rows + h[None, :], mask=m_mask[:, None] & (h < num_heads)[None, :], other=float("-inf")) * scale
+        top = tl.max(x, 0)
+        e = tl.exp(x - tl.where(top == float("-inf"), 0.0, top)[None, :])  # -inf (not a candidate): 0
+        total = tl.sum(e, 0)
+        score += tl.sum(e / tl.where(total > 0, total, 1.0)[None, :], 1)  # a row without candidates: 0
+    first = tl.load(bounds_ptr + s * stride_bs + m * stride_bm, mask=m_mask, other=float("-inf"))
+    score = tl.where(first == float("-inf"), float("-inf"), score)
+    for i in tl.static_range(K):
+        best = tl.max(score, 0)
+        column = tl.min(tl.where(score == best, m, BLOCK_M), 0)
+        tl.store(picks_ptr + s * stride_ps + i, tl.where(best == float("-inf"), -1, column).to(tl.int64))
+        score = tl.where(m == column, float("-inf"), score)
+
+
+def top_blocks(bounds: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+    """The ``topk`` best-scoring candidate blocks of each sequence from its heads' bounds:
+    :func:`select_top_blocks` of :func:`block_scores` in one launch.
+
+    Args:
+        bounds: float32 ``[S, M, Hq]`` from :func:`quest_bounds`, -inf for blocks that are not
+            candidates (for every head).
+        scale: the attention's softmax scale.
+        topk: blocks to pick per sequence, >= 1.
+
+    Returns:
+        int64 ``[S, min(topk, M)]``: columns of ``bounds``, best first, -1 where a sequence has
+        fewer candidates. Equal to :func:`top_blocks_ref` but where two scores are within float
+        rounding (the scores are summed in another order; among equal scores the lower column
+        comes first).
+
+    Raises:
+        ValueError: bounds not float32 ``[S, M, Hq]`` or topk < 1.
+
+    CUDA: one Triton launch, a program per sequence holding its ``M`` scores (heads in tiles of
+    ``_TOP_BLOCKS_TILE_ELEMS`` bounds), so that a decode layer's selection costs one launch
+    instead of ~10 torch ops; M beyond ``_MAX_TOP_BLOCKS_TILE`` or no Triton:
+    :func:`top_blocks_ref`.
+    """
+    if bounds.dim() != 3 or bounds.dtype != torch.float32:
+        raise ValueError(f"bounds must be float32 [S, M, Hq]; got {bounds.dtype} {tuple(bounds.shape)}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    seqs, num_blocks, heads = bounds.shape
+    interpret = interpreted(bounds)
+    block_m = row_tile(num_blocks, interpret)
+    if not use_triton(bounds) or block_m > _MAX_TOP_BLOCKS_TILE or not seqs * num_blocks * heads:
+        return top_blocks_ref(bounds, scale, topk)
+    picks = torch.empty(seqs, min(topk, num_blocks), dtype=torch.int64, device=bounds.device)
+    bounds = bounds if bounds.stride(2) == 1 else bounds.contiguous()
+    _top_blocks_kernel[(seqs,)](
+        bounds, picks, num_blocks, heads, scale, bounds.stride(0), bounds.stride(1), picks.stride(0),
+        K=picks.shape[1], BLOCK_M=block_m, BLOCK_H=max(1, min(next_pow2(heads), _TOP_BLOCKS_TILE_ELEMS // block_m)),
+        num_warps=4 if block_m <= 1024 else 8,
+    )
+    return picks
 
 
 def _check_args(q, kmin, kmax, slots) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
 from nanovllm.sparse import QuestPolicy
-from nanovllm.sparse.quest_scores import quest_bounds, quest_bounds_ref
+from nanovllm.sparse.quest_scores import quest_bounds, quest_bounds_ref, top_blocks
+from test_quest import assert_same_picks, random_bounds
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +34,15 @@ def test_quest_bounds_kernel_equals_reference(shape, dtype):
     got, want = quest_bounds(q, kmin, kmax, slots), quest_bounds_ref(q, kmin, kmax, slots)
     assert torch.equal(torch.isinf(got), (slots < 0)[..., None].expand_as(got))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("blocks,heads,topk", [(32, 32, 4), (33, 14, 8), (1000, 32, 8), (5000, 14, 16)])
+def test_top_blocks_kernel_equals_reference(blocks, heads, topk):
+    """The compiled selection kernel picks the reference's blocks (to float rounding of the
+    scores), at 130K tokens of 4,096-token blocks and up to 5,000 blocks (heads in several tiles)."""
+    for seed in range(3):
+        bounds = random_bounds(seed, 5, blocks, heads).cuda()
+        assert_same_picks(top_blocks(bounds, 0.088, topk).cpu(), bounds.cpu(), 0.088, topk)
 
 
 def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qwen3_dir, monkeypatch):
