@@ -51,6 +51,14 @@ class _Row:
         self.gpu_table, self.host_table, self.fixed, self.choosing = gpu_table, host_table, fixed, choosing
         self.free_tokens = len(gpu_table) * block_size - length
 
+    def num_candidates(self) -> int:
+        """Blocks the policy may pick (all but the fixed ones)."""
+        return len(self.gpu_table) - len(self.fixed)
+
+    def num_fixed_gpu(self) -> int:
+        """Fixed blocks read in place from the GPU tier."""
+        return sum(self.gpu_table[j] != NO_BLOCK for j in self.fixed)
+
     def host_candidates(self) -> int:
         """Candidate blocks (not fixed) that only the host tier holds: the most this row can miss."""
         fixed = set(self.fixed)
@@ -235,10 +243,10 @@ class DecodeSelection:
         reads (a choosing row: its fixed GPU-tier blocks and its most picks), not as its logical
         blocks: the paged kernel splits its work by the table's width."""
         tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
-        width = max(max(map(len, tables)),
-                    max(sum(row.gpu_table[j] != NO_BLOCK for j in row.fixed)
-                        + policy.max_decode_picks(len(row.gpu_table) - len(row.fixed))
-                        for row in self.rows if row.choosing >= 0))
+        choosing = [row for row in self.rows if row.choosing >= 0]
+        self.max_picks = max(policy.max_decode_picks(row.num_candidates()) for row in choosing)
+        width = max(max(map(len, tables)), max(row.num_fixed_gpu() + min(row.num_candidates(), self.max_picks)
+                                               for row in choosing))
         lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
                 for t, row in zip(tables, self.rows)]
         self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
@@ -256,7 +264,15 @@ class DecodeSelection:
         device without a host sync (:func:`nanovllm.ops.selected_reads`, one launch):
         ``(src, dst, tables, lens)``: the gather list (host block ids, -1 for none, and rows, int64
         ``[S, k]``), int32 block tables ``[B, TW]`` (rows of :class:`TierRows`) and
-        context lengths ``[B]`` of the batch."""
+        context lengths ``[B]`` of the batch.
+
+        Raises:
+            ValueError: more picks per sequence than the policy's ``max_decode_picks`` allows (the
+                block tables are sized by it).
+        """
+        if picks.shape[-1] > self.max_picks:
+            raise ValueError(f"the policy picked {picks.shape[-1]} blocks per sequence at layer {layer}, more "
+                             f"than its max_decode_picks bound of {self.max_picks} for this step")
         return selected_reads(picks, self.in_place, self.host_ids, self.fixed_read, self.victims, self.num_victims,
                               layer, self.group_first, self.free_tokens, self.layout.staging_base, self.block_size,
                               self.other_tables, self.other_lens, layer * self.layout.layer_rows, self.choice)
@@ -285,18 +301,18 @@ class DecodeSelection:
                                    padding_value=-1).transpose(1, 2)  # [done, S, k]: -1 pads a layer's fewer picks
         rows, miss = pick_rows(layer_picks, h["in_place"][:done], h["victims"][:done], h["num_victims"][:done],
                                self.group_first_host, self.layout.staging_base)
-        host_ids = h["host_ids"].expand(done, -1, -1).gather(2, layer_picks.clamp(min=0))
-        host_pick = (layer_picks >= 0) & (host_ids >= 0)
         misses = miss.sum((1, 2)).tolist()
         if reuse is not None:
-            self._record_reuse(reuse, stats, rows, miss, host_ids, host_pick)
+            self._record_reuse(reuse, stats, layer_picks, rows, miss)
         if self.num_host_blocks:
             for layer, num_misses in enumerate(misses):
                 stats.add_comm(layer, False, len(self.fixed_loads) + num_misses, self.num_host_blocks)
         host_tier.note_gathered(sum(misses))
 
-    def _record_reuse(self, reuse: ReuseCache, stats: SparseStats, rows, miss, host_ids, host_pick) -> None:
+    def _record_reuse(self, reuse: ReuseCache, stats: SparseStats, picks, rows, miss) -> None:
         """The reuse cache's outcome of each replayed layer (``[layers, S, k]`` tensors)."""
+        host_ids = self.planned["host_ids"].expand(picks.shape[0], -1, -1).gather(2, picks.clamp(min=0))
+        host_pick = (picks >= 0) & (host_ids >= 0)
         hits = host_pick & ~miss
         placed = miss & (rows < self.layout.staging_base)
         local = rows - torch.arange(rows.shape[0])[:, None, None] * self.layout.layer_rows

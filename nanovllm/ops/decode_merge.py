@@ -24,7 +24,7 @@ _NUM_STAGES = 2
 _SPLIT_BELOW_PROGRAMS = 32
 """A fold whose (kv head, q-head chunk) programs are fewer than this splits its keys..."""
 _MIN_SPLIT_KEYS = 256
-"""... into parts of at least this many keys (so at least two parts of it) ..."""
+"""... into about this many keys a part or more (the keys must be at least two parts' worth) ..."""
 _SPLIT_PROGRAMS = 128
 """... aiming at this many programs (one batch-1 decode layer's fold of a 4,096-token block of
 Llama-3.1-8B: 8 programs unsplit took 100 us on the H200, the fixed block's fold on QUEST's
@@ -128,7 +128,8 @@ def _decode_attend_merge_kernel(
 @triton.jit
 def _fold_parts_kernel(out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, num_parts, stride_oh, stride_ph, stride_ps,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program h: head h's parts and its running state, merged by LSE (in part order)."""
+    """Program h: head h's parts and its running state, merged by LSE (a fixed reduction, so the
+    result does not depend on the order the parts were written in)."""
     h = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -180,8 +181,8 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles; when
     those programs are few (under 32) and the keys many (512 or more), the keys are split into parts
     (up to 32, aiming at 128 programs; unsplit, a batch-1 fold of a 4,096-token Llama-3.1-8B block
-    took 100 us on the H200) and a second launch merges the parts into the state, in part order
-    (deterministic). CPU: :func:`decode_attend_merge_ref` (or the kernels under the Triton
+    took 100 us on the H200) and a second launch merges the parts into the state (a fixed
+    reduction: deterministic). CPU: :func:`decode_attend_merge_ref` (or the kernels under the Triton
     interpreter).
     """
     _check_args(q, k, v, out, lse)
