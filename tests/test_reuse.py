@@ -216,21 +216,22 @@ def test_groups_reuse_the_staging_rows_when_misses_could_overflow_them():
     _decode(attention, policy, TABLES, [policy.script] * 2, layout, kv, host, gen, atol=1e-5)
     decode = stats.to_dict(True)["decode"]
     assert (decode["loaded_host_blocks"], decode["available_host_blocks"]) == (2 * (2 + 5 + 2), 2 * 2 * 7)
-def test_tables_are_as_wide_as_the_most_reads_and_wider_picks_are_refused():
+def test_tables_are_as_wide_as_the_most_reads():
     """A, B and D each read their two fixed blocks (first and last, in the GPU tier) and at most 2
-    picks, C (not choosing) its 2 GPU-tier blocks: tables of 4 columns, not A's 5 logical blocks.
-    Picks wider than the policy's ``max_decode_picks`` (2) are refused before the kernel could drop
-    a row's last reads."""
+    picks (the policy's ``max_decode_picks``), C (not choosing) its 2 GPU-tier blocks: tables of 4
+    columns, not A's 5 logical blocks. Picks with more columns than that, -1 beyond a row's valid
+    picks (QUEST's when top-k exceeds the candidates), fit them."""
     from nanovllm.kvcache.selection import DecodeSelection
 
     _, policy, *_ = _tiers(gpu_blocks=10, reuse_rows=0, staging_rows=8)
     layout = TierRows(LAYERS, 10, 8)
     selection = DecodeSelection.build(policy, TABLES, layout, 10, BLOCK, torch.device("cpu"))
     assert selection.other_tables.shape[1] == 4 < selection.width == 5
-    picks = torch.tensor([[1, 3], [2, -1], [1, 2]])
-    selection.layer_reads(0, picks)  # the reference raises if a row reads more than the table holds
-    with pytest.raises(ValueError, match="picked 3 blocks per sequence at layer 1, more than its max_decode_picks "
-                                         "bound of 2"):
+    for picks in (torch.tensor([[1, 3], [2, -1], [1, 2]]), torch.tensor([[1, 3, -1, -1], [2, 1, -1, -1],
+                                                                         [2, 1, -1, -1]])):
+        _, _, tables, lens = selection.layer_reads(0, picks)  # the reference raises if a row reads more
+        assert tables.shape == (4, 4) and (tables[[0, 3]] >= 0).all(), "A and D read 4 blocks each"
+    with pytest.raises(ValueError, match="reads 5 blocks, more than the 4 columns"):
         selection.layer_reads(1, torch.tensor([[1, 2, 3], [2, -1, -1], [1, 2, -1]]))
 
 

@@ -243,10 +243,8 @@ class DecodeSelection:
         reads (a choosing row: its fixed GPU-tier blocks and its most picks), not as its logical
         blocks: the paged kernel splits its work by the table's width."""
         tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
-        choosing = [row for row in self.rows if row.choosing >= 0]
-        self.max_picks = max(policy.max_decode_picks(row.num_candidates()) for row in choosing)
-        width = max(max(map(len, tables)), max(row.num_fixed_gpu() + min(row.num_candidates(), self.max_picks)
-                                               for row in choosing))
+        width = max(max(map(len, tables)), max(row.num_fixed_gpu() + policy.max_decode_picks(row.num_candidates())
+                                               for row in self.rows if row.choosing >= 0))
         lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
                 for t, row in zip(tables, self.rows)]
         self.other_tables = to_device(padded_rows(tables, width), torch.int64, self.device)
@@ -264,15 +262,9 @@ class DecodeSelection:
         device without a host sync (:func:`nanovllm.ops.selected_reads`, one launch):
         ``(src, dst, tables, lens)``: the gather list (host block ids, -1 for none, and rows, int64
         ``[S, k]``), int32 block tables ``[B, TW]`` (rows of :class:`TierRows`) and
-        context lengths ``[B]`` of the batch.
-
-        Raises:
-            ValueError: more picks per sequence than the policy's ``max_decode_picks`` allows (the
-                block tables are sized by it).
-        """
-        if picks.shape[-1] > self.max_picks:
-            raise ValueError(f"the policy picked {picks.shape[-1]} blocks per sequence at layer {layer}, more "
-                             f"than its max_decode_picks bound of {self.max_picks} for this step")
+        context lengths ``[B]`` of the batch. The tables hold each row's fixed GPU-tier blocks and
+        as many picks as the policy's ``max_decode_picks`` allows it (a policy's contract: ``picks``
+        may have more columns, -1 beyond a row's valid picks)."""
         return selected_reads(picks, self.in_place, self.host_ids, self.fixed_read, self.victims, self.num_victims,
                               layer, self.group_first, self.free_tokens, self.layout.staging_base, self.block_size,
                               self.other_tables, self.other_lens, layer * self.layout.layer_rows, self.choice)

@@ -212,8 +212,8 @@ def selected_reads(picks: torch.Tensor, in_place: torch.Tensor, host_ids: torch.
         ValueError: shapes that disagree, a layer out of range, a non-bool ``fixed_read`` or
             non-int64 ids; the reference also a choosing row reading more than TW blocks. The
             kernel cannot raise: given too narrow a table it would drop a row's last reads
-            (``DecodeSelection`` sizes TW by the policy's ``max_decode_picks`` and checks the
-            picks' width against it). Values are not range-checked.
+            (``DecodeSelection`` sizes TW by the policy's ``max_decode_picks``, which bounds a
+            row's valid picks). Values are not range-checked.
 
     CUDA: one Triton launch, a program per batch row (each choosing program also counts the
     misses of the rows before it: ``S x k`` loads), no host sync. Its tiles are the next powers of
