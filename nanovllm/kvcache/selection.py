@@ -106,15 +106,16 @@ class DecodeSelection:
         picks: the policy's picks of each layer so far (int64 ``[S, k]`` device tensors).
     """
 
-    def __init__(self, rows: list[_Row], choosing: list[int], blocks: DecodeBlocks, layout: TierRows,
+    def __init__(self, rows: list[_Row], choosing: list[int], layout: TierRows, num_gpu_blocks: int,
                  block_size: int, device: torch.device):
-        self.rows, self.choosing, self.blocks, self.layout = rows, choosing, blocks, layout
+        self.rows, self.choosing, self.layout = rows, choosing, layout
         self.block_size, self.device = block_size, device
         self.fixed_loads = [(r, row.host_table[j]) for r, row in enumerate(rows) for j in row.fixed
                             if row.gpu_table[j] == NO_BLOCK]
         self.num_host_blocks = sum(h != NO_BLOCK for row in rows for h in row.host_table)
         self.picks: list[torch.Tensor] = []
         self.width = max(len(rows[r].gpu_table) for r in choosing)
+        self.blocks = self._candidates(num_gpu_blocks)
 
     @classmethod
     def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
@@ -144,23 +145,20 @@ class DecodeSelection:
                 choosing.append(len(rows) - 1)
         if not choosing:
             return None
-        selection = cls(rows, choosing, cls._candidates(rows, choosing, num_gpu_blocks, device), layout, block_size,
-                        device)
+        selection = cls(rows, choosing, layout, num_gpu_blocks, block_size, device)
         selection._upload(policy, reuse)
         return selection
 
-    @staticmethod
-    def _candidates(rows: list[_Row], choosing: list[int], num_gpu_blocks: int, device) -> DecodeBlocks:
+    def _candidates(self, num_gpu_blocks: int) -> DecodeBlocks:
         """The candidates of the choosing sequences: metadata slots ``[S, W]`` (W their longest
         table), NO_BLOCK for fixed blocks and padding."""
-        width = max(len(rows[r].gpu_table) for r in choosing)
         slots = []
-        for r in choosing:
-            row, fixed = rows[r], set(rows[r].fixed)
+        for r in self.choosing:
+            row, fixed = self.rows[r], set(self.rows[r].fixed)
             slots.append([NO_BLOCK if j in fixed else g if g != NO_BLOCK else num_gpu_blocks + h
                           for j, (g, h) in enumerate(zip(row.gpu_table, row.host_table))])
-        return DecodeBlocks(choosing, [len(rows[r].gpu_table) for r in choosing],
-                            to_device(padded_rows(slots, width), torch.int64, device))
+        return DecodeBlocks(self.choosing, [len(self.rows[r].gpu_table) for r in self.choosing],
+                            to_device(padded_rows(slots, self.width), torch.int64, self.device))
 
     # ---- step start (host) -------------------------------------------------------------
     def _upload(self, policy: SparsePolicy, reuse: ReuseCache | None):

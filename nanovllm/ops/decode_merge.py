@@ -201,8 +201,11 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     g_chunks = cdiv(group, _BLOCK_G)
     parts, keys_per_split = _split_plan(heads_kv * g_chunks, k.shape[0], block_n)
     split = parts > 1
-    part_o = torch.empty((heads_q, parts, dim) if split else (1, 1, 1), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((heads_q, parts) if split else (1, 1), dtype=torch.float32, device=q.device)
+    if split:
+        part_o = torch.empty((heads_q, parts, dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((heads_q, parts), dtype=torch.float32, device=q.device)
+    else:  # one part: the kernel folds into (out, lse) itself and never touches the part buffers
+        part_o, part_lse = out[:, None], lse
     _decode_attend_merge_kernel[(heads_kv, g_chunks, parts)](
         q, k, v, out, lse, part_o, part_lse, k.shape[0], keys_per_split, softmax_scale * LOG2E,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), part_o.stride(0),
