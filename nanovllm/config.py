@@ -301,8 +301,9 @@ class Config:
 
 def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
-    as in the ValueError: tensor parallelism, the host KV tier, QUEST (whose block picks are read
-    on the host within the step)."""
+    as in the ValueError: tensor parallelism, the host KV tier, QUEST (its decode steps run eagerly
+    and each step's start records the previous step's picks on the host, which the one-step-ahead
+    loop was not built around)."""
     from nanovllm.kvcache.cache import has_host_tier
     from nanovllm.sparse import SparsePolicyType
 
