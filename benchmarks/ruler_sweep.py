@@ -12,7 +12,8 @@ holding all but each sequence's first block and the block it writes, 2 or 4 ring
 of 4 full blocks); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4
 or 8, with a reuse cache); quest-k2-gpu ... quest-k12-gpu (QUEST at top-k 2, 4, 6, 8, 12
 with the same blocks and no host tier: the same picks, since the scores do not depend on the tier,
-without the host tier's decode cost, for the trade-off curve); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
+without the host tier's decode cost, for the trade-off curve); quest-k6-b256-gpu ...
+quest-k24-b256-gpu (the same with 256-token blocks, 128 per 32K prompt); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
 threshold, no host tier).
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
@@ -46,13 +47,14 @@ SETTINGS = {
     "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4),
     "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8),
     **{f"quest-k{k}-gpu": dict(blocks=31, sparse_policy="QUEST", sparse_topk_blocks=k) for k in (2, 4, 6, 8, 12)},
+    **{f"quest-k{k}-b256-gpu": dict(block=256, sparse_policy="QUEST", sparse_topk_blocks=k) for k in (6, 8, 12, 16, 24)},
     "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
     "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
     "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),
 }
 """Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples). ``blocks``: full KV
-blocks a prompt spans in the host-tier settings, so that the block size grows with the length
-(:func:`block_size`). Decode over the host tier costs host time per block, sequence and layer
+blocks a prompt spans, so that the block size grows with the length (:func:`block_size`);
+``block``: a fixed block size in tokens. Decode over the host tier costs host time per block, sequence and layer
 (a load and a fold), so few blocks keep a small model's decode from being host-bound
 (docs/sparse.md): FULL's 4 (the first stays in the GPU tier, the next three, ~73% of the prompt,
 are read from the host, and the partial last block is the one written); QUEST's 31 (plus the
@@ -74,15 +76,18 @@ def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) ->
 
 
 def block_size(name: str, length: int) -> int:
-    """KV block tokens of setting ``name`` at ``length``: the prompt (``length - ANSWER_ROOM``
-    tokens) over ``blocks``, rounded down to a multiple of 256 (at least 256); 1024 (the
-    evaluation default) for settings without ``blocks``."""
-    blocks = SETTINGS[name].get("blocks")
+    """KV block tokens of setting ``name`` at ``length``: its ``block``; else the prompt
+    (``length - ANSWER_ROOM`` tokens) over ``blocks``, rounded down to a multiple of 256 (at least
+    256); else 1024 (the evaluation default)."""
+    setting = SETTINGS[name]
+    if "block" in setting:
+        return setting["block"]
+    blocks = setting.get("blocks")
     return 1024 if blocks is None else max(256, (length - ANSWER_ROOM) // blocks // 256 * 256)
 
 
 def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
-    fields = {k: v for k, v in SETTINGS[name].items() if k != "blocks"}
+    fields = {k: v for k, v in SETTINGS[name].items() if k not in ("blocks", "block")}
     if fields.get("sparse_policy") == "QUEST":  # a reuse-cache row per pick of each batched sequence
         fields["num_reuse_cache_blocks"] = fields["sparse_topk_blocks"] * num_samples
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,

@@ -54,14 +54,14 @@ class EngineSettings:
         if self.dtype not in (None, *DTYPE_CHOICES[1:]):
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         self._validate_sparse()
+        if self.block_size <= 0 or self.block_size % 256:
+            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
         if not self.enable_offload:
             return
         if self.num_ring_slots < 2:
             raise ValueError(f"num-ring-slots must be >= 2, got {self.num_ring_slots}")
         if self.num_gpu_kv_blocks is not None and self.num_gpu_kv_blocks < 2:
             raise ValueError(f"num-gpu-kv-blocks must be >= 2 with the host tier, got {self.num_gpu_kv_blocks}")
-        if self.block_size <= 0 or self.block_size % 256:
-            raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
         need = -(-self.max_model_len // self.block_size)
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < need:
             raise ValueError(f"num-cpu-blocks={self.num_cpu_blocks} cannot hold input-len + "
@@ -95,12 +95,13 @@ class EngineSettings:
         if max_model_len is None:
             max_model_len = self.max_model_len
         kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                  dtype=self.dtype, enforce_eager=self.enforce_eager, sparse_policy=self.sparse_policy,
+                  dtype=self.dtype, enforce_eager=self.enforce_eager, kvcache_block_size=self.block_size,
+                  sparse_policy=self.sparse_policy,
                   sparse_topk_blocks=self.sparse_topk_blocks, sparse_threshold_blocks=self.sparse_threshold_blocks,
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
-            kw.update(enable_cpu_offload=True, kvcache_block_size=self.block_size, num_ring_slots=self.num_ring_slots,
+            kw.update(enable_cpu_offload=True, num_ring_slots=self.num_ring_slots,
                       num_kvcache_blocks=(self.num_gpu_kv_blocks if self.num_gpu_kv_blocks is not None
                                           else 2 * max_num_seqs),
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
@@ -121,7 +122,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--num-gpu-kv-blocks", type=int, default=None,
                    help="host tier: GPU-tier blocks (default: 2 per sequence, so the host tier holds the rest)")
     p.add_argument("--block-size", type=int, default=1024,
-                   help="host tier: KV block in tokens, a multiple of 256 (default 1024)")
+                   help="KV block in tokens (both tiers; QUEST selects blocks of this size), a multiple of 256 "
+                        "(default 1024)")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
     p.add_argument("--sparse-policy", default="FULL",
                    help="sparse policy: FULL, QUEST (decode) or XATTN_BSA (prefill) (default FULL)")

@@ -288,6 +288,7 @@ def test_cli_argument_errors(capsys):
         (["--input-len", "0"], "input-len must be an integer >= 1"),
         (["--enable-offload", "--num-ring-slots", "1"], "num-ring-slots must be >= 2"),
         (["--enable-offload", "--block-size", "1000"], "block-size must be a positive multiple of 256"),
+        (["--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
         (["--sparse-threshold", "-0.5"], "sparse-threshold must be in [0, 1]"),
         (["--input-len", "9000", "--tasks", "vt"], "exceeds the model's max_position_embeddings=8192"),
@@ -298,6 +299,15 @@ def test_cli_argument_errors(capsys):
             main(argv)
         assert exc.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_block_size_reaches_the_engine_with_and_without_the_host_tier(offload):
+    """QUEST selects blocks in both tiers, so --block-size must size the KV blocks without the host
+    tier too (session 7's QUEST rows without it ran the engine's 256-token default)."""
+    kw = RulerSettings(tasks=["vt"], enable_offload=offload, block_size=512, sparse_policy="QUEST").engine_kwargs()
+    assert kw["kvcache_block_size"] == 512
+    assert kw.get("enable_cpu_offload", False) is offload
 
 
 def test_cli_end_to_end_small(tmp_path, capsys):
