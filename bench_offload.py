@@ -178,7 +178,7 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
     parser.add_argument("--sparse-threshold", type=float, default=0.97)
-    parser.add_argument("--sparse-topk-blocks", type=int, default=8)
+    parser.add_argument("--sparse-topk-blocks", type=int, default=16)
     parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
     parser.add_argument("--num-reuse-cache-blocks", type=int, default=-1,
                         help="QUEST's reuse cache in mode tiered (-1: the engine's default, sparse-topk-blocks)")

@@ -33,7 +33,7 @@ class EngineSettings:
     num_gpu_kv_blocks: int | None = None
     block_size: int = 1024
     sparse_policy: str = "FULL"
-    sparse_topk_blocks: int = 8
+    sparse_topk_blocks: int = 16
     sparse_threshold_blocks: int = 4
     sparse_threshold: float = 0.97
     sparse_stride: int = 8
@@ -127,7 +127,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
     p.add_argument("--sparse-policy", default="FULL",
                    help="sparse policy: FULL, QUEST (decode) or XATTN_BSA (prefill) (default FULL)")
-    p.add_argument("--sparse-topk-blocks", type=int, default=8, help="QUEST: blocks chosen by score (default 8)")
+    p.add_argument("--sparse-topk-blocks", type=int, default=16,
+                   help="QUEST: blocks chosen by score (default 16, the engine's; set it with --block-size)")
     p.add_argument("--sparse-threshold-blocks", type=int, default=4,
                    help="QUEST: select only above this many blocks (default 4)")
     p.add_argument("--sparse-threshold", type=float, default=0.97,

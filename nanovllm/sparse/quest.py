@@ -35,7 +35,7 @@ class QuestPolicy(SparsePolicy):
 
     chooses_decode_blocks = needs_block_metadata = True
 
-    def __init__(self, scale: float, topk_blocks: int = 8, threshold_blocks: int = 4):
+    def __init__(self, scale: float, topk_blocks: int = 16, threshold_blocks: int = 4):
         super().__init__(scale)
         if topk_blocks < 1:
             raise ValueError(f"sparse_topk_blocks must be >= 1, got {topk_blocks}")
