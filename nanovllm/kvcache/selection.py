@@ -214,10 +214,11 @@ class DecodeSelection:
         if reuse is None:
             return torch.full((num_layers, *host.shape), -1, dtype=torch.int64)
         lookup = torch.full((num_layers, int(host.max()) + 2), -1, dtype=torch.int64)  # last column: no block
-        for layer in range(num_layers):
-            for host_id, row in reuse.cached(layer).items():
-                if host_id < lookup.shape[1] - 1:
-                    lookup[layer, host_id] = row
+        entries = [(layer, host_id, row) for layer in range(num_layers)
+                   for host_id, row in reuse.cached(layer).items() if host_id < lookup.shape[1] - 1]
+        if entries:  # one indexed write (a write per entry cost ~1 ms per step of host time)
+            layers, host_ids, rows = zip(*entries)
+            lookup[list(layers), list(host_ids)] = torch.tensor(rows)
         return lookup[:, torch.where(host >= 0, host, lookup.shape[1] - 1)]
 
     def _plan_groups(self, worst: list[int], victims: int) -> list[int]:
@@ -306,9 +307,10 @@ class DecodeSelection:
         hits = host_pick & ~miss
         placed = miss & (rows < self.layout.staging_base)
         local = rows - torch.arange(rows.shape[0])[:, None, None] * self.layout.layer_rows
+        # to Python once: per-layer tensor indexing cost ~1 ms per step of host time at 32 layers
         num_hits, num_picked = hits.sum((1, 2)).tolist(), host_pick.sum((1, 2)).tolist()
-        for layer in range(rows.shape[0]):
-            placements = list(zip(host_ids[layer][placed[layer]].tolist(), local[layer][placed[layer]].tolist()))
-            reuse.record(layer, host_ids[layer][hits[layer]].tolist(), placements)
+        host_ids, hits, placed, local = (t.flatten(1).tolist() for t in (host_ids, hits, placed, local))
+        for layer, (ids, hit, place, row) in enumerate(zip(host_ids, hits, placed, local)):
+            reuse.record(layer, [h for h, x in zip(ids, hit) if x], [(h, r) for h, r, x in zip(ids, row, place) if x])
             if num_picked[layer]:
                 stats.add_reuse(layer, num_hits[layer], num_picked[layer])
