@@ -70,6 +70,11 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    for name in ("layers", "topk", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or args.reuse_rows < 0:
+        p.error(f"--warmup and --reuse-rows must be >= 0, got {args.warmup} and {args.reuse_rows}")
     if args.blocks < args.topk + 4:
         p.error(f"--blocks must be >= --topk + 4 = {args.topk + 4}, got {args.blocks}")
     torch.set_num_threads(1)
