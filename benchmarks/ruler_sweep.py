@@ -102,6 +102,7 @@ def _line(name: str, length: int, report, seconds: float) -> dict:
             "overall": round(report.overall, 4), "tasks": {r.task: round(r.mean, 4) for r in report.results},
             "prefill_density": stats.get("prefill", {}).get("density"),
             "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
+            "decode_density": stats.get("decode", {}).get("density"),
             "decode_comm_density": stats.get("decode", {}).get("comm_density"),
             "decode_reuse_rate": stats.get("decode", {}).get("reuse_rate"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
@@ -154,12 +155,13 @@ def table(path: str) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
 
-    head = ["setting", "length", *tasks, "average", "prefill density", "decode comm density", "reuse rate",
-            "seconds"]
+    head = ["setting", "length", *tasks, "average", "prefill density", "decode density", "decode comm density",
+            "reuse rate", "seconds"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in sorted(runs, key=lambda x: (list(SETTINGS).index(x["setting"]), x["input_len"])):
         cells = [x["setting"], str(x["input_len"]), *(f"{100 * x['tasks'][t]:.0f}" for t in tasks),
-                 f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x["decode_comm_density"]),
+                 f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x.get("decode_density")),
+                 fmt(x["decode_comm_density"]),
                  fmt(x.get("decode_reuse_rate")), f"{x['generate_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
     rows += [f"\nfailed: {x['setting']}: {x['error']}" for x in lines if "error" in x]

@@ -204,7 +204,8 @@ def tier_moves(llm) -> tuple[int, int] | None:
 
 def sparse_stats_text(stats: dict | None) -> str:
     """One line of :meth:`nanovllm.LLM.get_sparse_stats`: the policy, prefill compute and
-    communication density, decode communication density ("-" where nothing was counted)."""
+    communication density, decode density (share of the KV read) and communication density ("-"
+    where nothing was counted)."""
     if stats is None:
         return "-"
 
@@ -213,4 +214,5 @@ def sparse_stats_text(stats: dict | None) -> str:
 
     prefill, decode = stats["prefill"], stats["decode"]
     return (f"{stats['policy']}: prefill density {fmt(prefill['density'])}, comm density "
-            f"{fmt(prefill['comm_density'])}; decode comm density {fmt(decode['comm_density'])}")
+            f"{fmt(prefill['comm_density'])}; decode density {fmt(decode.get('density'))}, comm density "
+            f"{fmt(decode['comm_density'])}")

@@ -44,6 +44,25 @@ def test_quest_reports_decode_communication(llm_factory, llama_tied_dir):
     decode = stats["decode"]
     assert 0 < decode["loaded_host_blocks"] < decode["available_host_blocks"] == 19 * 4 * LAYERS
     assert decode["loaded_host_blocks"] <= 19 * 2 * LAYERS, "at most the middle pick and the sink per step"
+    # every step reads the first block, the two last and one pick: 4 of 6 blocks
+    assert (decode["kept_blocks"], decode["visible_blocks"]) == (19 * 4 * LAYERS, 19 * 6 * LAYERS)
+    assert decode["density"] == pytest.approx(4 / 6)
+    assert [row["density"] for row in decode["per_layer"]] == [pytest.approx(4 / 6)] * LAYERS
+
+
+@pytest.mark.parametrize("prompt_len, read", [(1300, 4), (600, 3)])
+def test_quest_without_the_host_tier_reports_the_share_of_the_kv_it_reads(llm_factory, llama_tied_dir, prompt_len,
+                                                                           read):
+    """1300 tokens: 6 blocks of 256, the first, the two last and one pick read; 600 tokens: 3
+    blocks, too few to select, all read (counted at the step's start, no selection)."""
+    llm = llm_factory(llama_tied_dir, max_model_len=1536, sparse_policy="QUEST", sparse_topk_blocks=1,
+                      sparse_threshold_blocks=2)
+    decode = _generate(llm, prompt_len)["decode"]
+    blocks = -(-prompt_len // 256)
+    assert (decode["kept_blocks"], decode["visible_blocks"]) == (19 * read * LAYERS, 19 * blocks * LAYERS)
+    assert decode["density"] == pytest.approx(read / blocks) and decode["comm_density"] is None
+    llm.reset_sparse_stats()
+    assert llm.get_sparse_stats()["decode"]["density"] is None, "nothing counted since the reset"
 
 
 def test_gpu_only_full_has_no_communication(llm_factory, llama_tied_dir):
@@ -55,7 +74,8 @@ def test_gpu_only_full_has_no_communication(llm_factory, llama_tied_dir):
                                  "visible_blocks": None},
                      "decode": {"comm_density": None, "loaded_host_blocks": 0, "available_host_blocks": 0,
                                 "per_layer": [], "reuse_rate": None, "reused_host_blocks": 0,
-                                "selected_host_blocks": 0}}
+                                "selected_host_blocks": 0, "density": 1.0, "kept_blocks": None,
+                                "visible_blocks": None}}
 
 
 def test_stats_sum_per_layer_and_stay_on_the_device_until_read():

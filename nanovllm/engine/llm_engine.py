@@ -313,11 +313,15 @@ class LLMEngine:
              "prefill": {"density", "comm_density", "kept_blocks", "visible_blocks",
                          "loaded_host_blocks", "available_host_blocks",
                          "per_layer": [{"layer", "density", "comm_density"}, ...]},
-             "decode": {"comm_density", "loaded_host_blocks", "available_host_blocks",
-                        "per_layer": [{"layer", "comm_density"}, ...]}}
+             "decode": {"density", "kept_blocks", "visible_blocks", "comm_density",
+                        "loaded_host_blocks", "available_host_blocks", "reuse_rate", ...,
+                        "per_layer": [{"layer", "density", "comm_density", "reuse_rate"}, ...]}}
 
-        ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens) over
-        heads and query blocks; 1.0 for policies whose prefill is dense (FULL, QUEST).
+        Prefill ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens)
+        over heads and query blocks; 1.0 for policies whose prefill is dense (FULL, QUEST).
+        Decode ``density``: KV blocks read / KV blocks of the contexts (both tiers), per layer and
+        sequence, counted for a policy that chooses decode blocks (QUEST; ``kept_blocks`` /
+        ``visible_blocks`` are those counts); 1.0 for the others.
         ``comm_density``: host-tier blocks read (keys and values) / host-tier blocks the
         attention could read, per layer (None where the batch had no host blocks).
         Reading syncs with the device once per layer; counting never does. With
@@ -329,7 +333,8 @@ class LLMEngine:
         """
         self._check_open()
         cache = self.model_runner.cache
-        stats = {"policy": self.config.sparse_policy.value, **cache.sparse_stats().to_dict(cache.policy.dense_prefill)}
+        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.policy.chooses_decode_blocks)
+        stats = {"policy": self.config.sparse_policy.value, **counts}
         if self._replicas is None:
             return stats
         return data_parallel.sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))

@@ -266,10 +266,17 @@ class KVCache:
         return ctx, input_ids, positions, list(range(len(seqs)))
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
-        """The batch's choosing part, when the policy chooses for some sequence."""
-        return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],
-                                     self.layout, self.num_gpu_blocks, self.geometry.block_size, self.device,
-                                     self.attention.reuse)
+        """The batch's choosing part, when the policy chooses for some sequence; a choosing
+        policy's reads counted (every block of a step without a selection)."""
+        selection = DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq))
+                                                        for seq in seqs],
+                                          self.layout, self.num_gpu_blocks, self.geometry.block_size, self.device,
+                                          self.attention.reuse)
+        if self.policy.chooses_decode_blocks:
+            blocks = sum(len(seq.block_table) for seq in seqs)
+            for layer in range(self.geometry.num_layers):
+                self.stats.add_reads(layer, blocks if selection is None else selection.num_reads, blocks)
+        return selection
 
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:

@@ -104,6 +104,9 @@ class DecodeSelection:
             choosing sequences as ``(group index, batch rows)`` (an int64 device tensor; the
             sequences that do not choose with group 0).
         picks: the policy's picks of each layer so far (int64 ``[S, k]`` device tensors).
+        num_reads: blocks each layer reads for the batch: a choosing sequence's fixed blocks and
+            the policy's ``max_decode_picks`` (QUEST picks exactly that many), every block of the
+            others.
     """
 
     def __init__(self, rows: list[_Row], choosing: list[int], layout: TierRows, num_gpu_blocks: int,
@@ -147,6 +150,8 @@ class DecodeSelection:
             return None
         selection = cls(rows, choosing, layout, num_gpu_blocks, block_size, device)
         selection._upload(policy, reuse)
+        selection.num_reads = sum(len(row.fixed) + policy.max_decode_picks(row.num_candidates()) if row.choosing >= 0
+                                  else len(row.gpu_table) for row in rows)
         return selection
 
     def _candidates(self, num_gpu_blocks: int) -> DecodeBlocks:

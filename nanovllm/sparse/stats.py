@@ -4,6 +4,10 @@ policy only chooses).
 - **compute density** (prefill): kept / causally visible sparse blocks (``sparse_block_size``
   tokens, 128 by default), counted over heads and query blocks. Policies whose prefill attends to
   every visible key (FULL, QUEST) report 1.0 without counting.
+- **density** (decode, a policy that chooses decode blocks: QUEST): KV blocks read / KV blocks of
+  the sequences' contexts, both tiers, per layer and sequence: the share of the KV that decode
+  reads (a sequence the policy does not select for reads all of its blocks). Policies that read
+  every block in decode report 1.0 without counting.
 - **communication density** (host tier, prefill and decode): host-tier blocks read (keys and
   values) / host-tier blocks the attention could have read, per layer. Prefill reads every host
   block of a sequence's context (1.0); QUEST's decode reads its selection, less the blocks found
@@ -48,6 +52,8 @@ class SparseStats:
         """Forget every count."""
         self._kept: dict[int, torch.Tensor | int] = {}
         self._visible: dict[int, int] = {}
+        self._read: dict[int, int] = {}
+        self._context: dict[int, int] = {}
         self._loaded = {phase: {} for phase in PHASES}
         self._available = {phase: {} for phase in PHASES}
         self._reused: dict[int, int] = {}
@@ -58,6 +64,11 @@ class SparseStats:
         ``visible`` causally visible sparse blocks (over heads)."""
         self._kept[layer] = self._kept.get(layer, 0) + kept
         self._visible[layer] = self._visible.get(layer, 0) + visible
+
+    def add_reads(self, layer: int, read: int, context: int) -> None:
+        """Decode at ``layer`` read ``read`` of the ``context`` KV blocks of its sequences."""
+        self._read[layer] = self._read.get(layer, 0) + read
+        self._context[layer] = self._context.get(layer, 0) + context
 
     def add_comm(self, layer: int, is_prefill: bool, loaded: int, available: int) -> None:
         """``loaded`` of ``available`` host-tier blocks were read (keys and values) at ``layer``."""
@@ -71,10 +82,11 @@ class SparseStats:
         self._reused[layer] = self._reused.get(layer, 0) + reused
         self._selected[layer] = self._selected.get(layer, 0) + selected
 
-    def to_dict(self, dense_prefill: bool) -> dict:
+    def to_dict(self, dense_prefill: bool, dense_decode: bool = True) -> dict:
         """``{"prefill": {...}, "decode": {...}}`` of plain Python numbers (see
         ``LLMEngine.get_sparse_stats``); a density is None where nothing was counted.
-        ``dense_prefill``: the policy attends to every visible key in prefill (density 1.0)."""
+        ``dense_prefill`` / ``dense_decode``: the policy attends to every visible key in prefill /
+        reads every block in decode (density 1.0)."""
         kept = {layer: int(value) for layer, value in self._kept.items()}  # syncs, once per layer
 
         def density(layers) -> float | None:
@@ -88,11 +100,16 @@ class SparseStats:
         prefill["density"] = density(kept)
         prefill["kept_blocks"] = None if dense_prefill else sum(kept.values())
         prefill["visible_blocks"] = None if dense_prefill else sum(self._visible.values())
-        decode = self._comm("decode", sorted(self._available["decode"]))
+        decode = self._comm("decode", sorted(set(self._available["decode"]) | set(self._context)))
         decode.update(reuse_rate=_ratio(sum(self._reused.values()), sum(self._selected.values())),
-                      reused_host_blocks=sum(self._reused.values()), selected_host_blocks=sum(self._selected.values()))
+                      reused_host_blocks=sum(self._reused.values()), selected_host_blocks=sum(self._selected.values()),
+                      density=1.0 if dense_decode else _ratio(sum(self._read.values()), sum(self._context.values())),
+                      kept_blocks=None if dense_decode else sum(self._read.values()),
+                      visible_blocks=None if dense_decode else sum(self._context.values()))
         for row in decode["per_layer"]:
-            row["reuse_rate"] = _ratio(self._reused.get(row["layer"], 0), self._selected.get(row["layer"], 0))
+            layer = row["layer"]
+            row["reuse_rate"] = _ratio(self._reused.get(layer, 0), self._selected.get(layer, 0))
+            row["density"] = 1.0 if dense_decode else _ratio(self._read.get(layer, 0), self._context.get(layer, 0))
         return {"prefill": prefill, "decode": decode}
 
     def _comm(self, phase: str, layers: list[int]) -> dict:
