@@ -161,6 +161,25 @@ def test_sum_sparse_stats_adds_counts_and_recomputes_densities():
         {"gpu_blocks": 7, "preemptions": 1}
 
 
+def test_sum_sparse_stats_recomputes_the_decode_density_and_reuse_rate():
+    """Replicas as SparseStats.to_dict makes them: a choosing policy's decode density and reuse rate
+    come from the summed counts; a dense decode stays 1.0 with no counts."""
+    from nanovllm.sparse import SparseStats
+
+    def replica(read, context, reused, selected, dense_decode=False):
+        stats = SparseStats()
+        stats.add_comm(0, False, selected - reused, context)
+        stats.add_reads(0, read, context)
+        stats.add_reuse(0, reused, selected)
+        return {"policy": "QUEST", **stats.to_dict(dense_prefill=True, dense_decode=dense_decode)}
+
+    decode = sum_sparse_stats([replica(4, 6, 1, 2), replica(3, 12, 3, 3)])["decode"]
+    assert (decode["kept_blocks"], decode["visible_blocks"], decode["density"]) == (7, 18, 7 / 18)
+    assert (decode["reused_host_blocks"], decode["selected_host_blocks"], decode["reuse_rate"]) == (4, 5, 0.8)
+    dense = sum_sparse_stats([replica(4, 6, 0, 0, True), replica(3, 12, 0, 0, True)])["decode"]
+    assert (dense["density"], dense["kept_blocks"], dense["reuse_rate"]) == (1.0, None, None)
+
+
 @pytest.mark.slow
 def test_sparse_stats_gather_every_replica(llama_tied_dir):
     """A host tier that 700-token prompts spill to: two prompts of one cost go one to each

@@ -184,7 +184,7 @@ def test_device_reads_equal_the_former_path_and_lag_the_reuse_cache_a_step():
     script = {0: [[1, 3], [2], [1]], 1: [[2], [1], [2]]}
     _decode(attention, policy, TABLES, [script] * 3, layout, kv, host, gen, reuse, spills={2: [4]})
     assert reuse.cached(0) == {3: 10, 4: 11} and reuse.cached(1) == {0: 10, 5: 11}
-    decode = stats.to_dict(True)["decode"]
+    decode = stats.to_dict(True, False)["decode"]
     assert [r["reuse_rate"] for r in decode["per_layer"]] == [5 / 12, 4 / 6]
     assert (decode["reused_host_blocks"], decode["selected_host_blocks"]) == (9, 18)
     assert (decode["loaded_host_blocks"], decode["available_host_blocks"]) == (6 + 9, 3 * LAYERS * 7)
@@ -196,7 +196,7 @@ def test_without_reuse_cache_every_picked_host_block_is_gathered_into_staging_ro
     attention, policy, stats, _, layout, kv, host, gen = _tiers(gpu_blocks=10, reuse_rows=0, staging_rows=5)
     scripts = [{0: [[1, 3], [2], [1]], 1: [[2], [1], [2]]}, {0: [[2, 3], [1], [2, 1]], 1: [[1, 2], [2], [1]]}]
     _decode(attention, policy, TABLES, scripts, layout, kv, host, gen)
-    decode = stats.to_dict(True)["decode"]
+    decode = stats.to_dict(True, False)["decode"]
     assert decode["reuse_rate"] is None and decode["selected_host_blocks"] == 0
     assert (decode["loaded_host_blocks"], decode["available_host_blocks"]) == (4 + (4 + 2) + (4 + 4), 4 * 7)
 
@@ -214,7 +214,7 @@ def test_groups_reuse_the_staging_rows_when_misses_could_overflow_them():
     assert [g for g, _ in selection.groups] == [0, 1, 2]
     assert [rows.tolist() for _, rows in selection.groups] == [[0, 2], [1], [3]], "C (not choosing) with group 0"
     _decode(attention, policy, TABLES, [policy.script] * 2, layout, kv, host, gen, atol=1e-5)
-    decode = stats.to_dict(True)["decode"]
+    decode = stats.to_dict(True, False)["decode"]
     assert (decode["loaded_host_blocks"], decode["available_host_blocks"]) == (2 * (2 + 5 + 2), 2 * 2 * 7)
 def test_tables_are_as_wide_as_the_most_reads():
     """A, B and D each read their two fixed blocks (first and last, in the GPU tier) and at most 2
@@ -233,6 +233,9 @@ def test_tables_are_as_wide_as_the_most_reads():
         assert tables.shape == (4, 4) and (tables[[0, 3]] >= 0).all(), "A and D read 4 blocks each"
     with pytest.raises(ValueError, match="reads 5 blocks, more than the 4 columns"):
         selection.layer_reads(1, torch.tensor([[1, 2, 3], [2, -1, -1], [1, 2, -1]]))
+    # every row picking its most: the tables and the ring's fixed loads read num_reads blocks
+    _, _, tables, _ = selection.layer_reads(0, torch.tensor([[1, 3], [2, 1], [1, 2]]))
+    assert int((tables >= 0).sum()) + len(selection.fixed_loads) == selection.num_reads() == 4 + 4 + 3 + 4
 
 
 def test_reuse_cache_option_is_checked(qwen3_dir):

@@ -50,15 +50,18 @@ def test_quest_reports_decode_communication(llm_factory, llama_tied_dir):
     assert [row["density"] for row in decode["per_layer"]] == [pytest.approx(4 / 6)] * LAYERS
 
 
-@pytest.mark.parametrize("prompt_len, read", [(1300, 4), (600, 3)])
-def test_quest_without_the_host_tier_reports_the_share_of_the_kv_it_reads(llm_factory, llama_tied_dir, prompt_len,
+@pytest.mark.parametrize("prompt_lens, read", [([1300], 4), ([600], 3), ([1300, 600], 4 + 3)])
+def test_quest_without_the_host_tier_reports_the_share_of_the_kv_it_reads(llm_factory, llama_tied_dir, prompt_lens,
                                                                            read):
     """1300 tokens: 6 blocks of 256, the first, the two last and one pick read; 600 tokens: 3
-    blocks, too few to select, all read (counted at the step's start, no selection)."""
+    blocks, too few to select, all read (alone: a step without a selection; beside the 1300-token
+    one: a row that does not choose in a step that selects)."""
     llm = llm_factory(llama_tied_dir, max_model_len=1536, sparse_policy="QUEST", sparse_topk_blocks=1,
-                      sparse_threshold_blocks=2)
-    decode = _generate(llm, prompt_len)["decode"]
-    blocks = -(-prompt_len // 256)
+                      sparse_threshold_blocks=2, max_num_seqs=2)
+    prompts = [random_prompt(n, seed=n) for n in prompt_lens]
+    llm.generate(prompts, greedy(20), use_tqdm=False)
+    decode = llm.get_sparse_stats()["decode"]
+    blocks = sum(-(-n // 256) for n in prompt_lens)
     assert (decode["kept_blocks"], decode["visible_blocks"]) == (19 * read * LAYERS, 19 * blocks * LAYERS)
     assert decode["density"] == pytest.approx(read / blocks) and decode["comm_density"] is None
     llm.reset_sparse_stats()
@@ -87,7 +90,7 @@ def test_stats_sum_per_layer_and_stay_on_the_device_until_read():
     stats.add_compute(1, torch.tensor(1), 8)
     stats.add_comm(1, True, 1, 4)
     assert isinstance(stats._kept[0], torch.Tensor), "kept counts accumulate without a host sync"
-    prefill = stats.to_dict(dense_prefill=False)["prefill"]
+    prefill = stats.to_dict(dense_prefill=False, dense_decode=True)["prefill"]
     assert prefill["density"] == pytest.approx(6 / 16) and prefill["kept_blocks"] == 6
     assert prefill["per_layer"] == [{"layer": 0, "comm_density": None, "density": pytest.approx(5 / 8)},
                                     {"layer": 1, "comm_density": 0.25, "density": 0.125}]

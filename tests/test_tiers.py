@@ -350,4 +350,4 @@ def test_prefill_gathers_a_prefix_from_both_tiers():
     ref = prefill_attention_ref(q, k, v, [new], [prefix + new], DIM ** -0.5,
                                 prefixes={0: (k_all[:prefix], v_all[:prefix])})
     assert (out - ref).abs().max() <= 1e-5
-    assert attention.stats.to_dict(True)["prefill"]["loaded_host_blocks"] == 1
+    assert attention.stats.to_dict(True, True)["prefill"]["loaded_host_blocks"] == 1

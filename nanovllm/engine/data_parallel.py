@@ -116,9 +116,12 @@ def sum_sparse_stats(per_replica: list[dict]) -> dict:
     def phase(name: str) -> dict:
         rows = [stats[name] for stats in per_replica]
         merged = {key: None if rows[0][key] is None else sum(row[key] for row in rows)
-                  for key in ("kept_blocks", "visible_blocks", "loaded_host_blocks", "available_host_blocks")
+                  for key in ("kept_blocks", "visible_blocks", "loaded_host_blocks", "available_host_blocks",
+                              "reused_host_blocks", "selected_host_blocks")
                   if key in rows[0]}
         merged["comm_density"] = _ratio(merged["loaded_host_blocks"], merged["available_host_blocks"])
+        if "reuse_rate" in rows[0]:
+            merged["reuse_rate"] = _ratio(merged["reused_host_blocks"], merged["selected_host_blocks"])
         if "density" in rows[0]:
             dense = merged["kept_blocks"] is None  # the policy's prefill is dense: 1.0 everywhere
             merged["density"] = 1.0 if dense else _ratio(merged["kept_blocks"], merged["visible_blocks"])

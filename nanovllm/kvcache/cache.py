@@ -275,7 +275,7 @@ class KVCache:
         if self.policy.chooses_decode_blocks:
             blocks = sum(len(seq.block_table) for seq in seqs)
             for layer in range(self.geometry.num_layers):
-                self.stats.add_reads(layer, blocks if selection is None else selection.num_reads, blocks)
+                self.stats.add_reads(layer, blocks if selection is None else selection.num_reads(), blocks)
         return selection
 
     # ---- observability -----------------------------------------------------------------

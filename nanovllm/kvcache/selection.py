@@ -41,19 +41,21 @@ from nanovllm.utils.tensors import padded_rows, to_device
 
 class _Row:
     """One sequence of the decode batch: its block tables, its fixed blocks (increasing), its
-    index among the choosing sequences (-1: it reads every block), and the unwritten tokens of its
-    last block."""
+    index among the choosing sequences (-1: it reads every block, all of them fixed), the most
+    blocks the policy picks for it per layer (its ``max_decode_picks``; 0 when it does not choose)
+    and the unwritten tokens of its last block."""
 
-    __slots__ = ("gpu_table", "host_table", "fixed", "choosing", "free_tokens")
+    __slots__ = ("gpu_table", "host_table", "fixed", "choosing", "max_picks", "free_tokens")
 
     def __init__(self, gpu_table: list[int], host_table: list[int], length: int, fixed: list[int], choosing: int,
-                 block_size: int):
+                 max_picks: int, block_size: int):
         self.gpu_table, self.host_table, self.fixed, self.choosing = gpu_table, host_table, fixed, choosing
+        self.max_picks = max_picks
         self.free_tokens = len(gpu_table) * block_size - length
 
-    def num_candidates(self) -> int:
-        """Blocks the policy may pick (all but the fixed ones)."""
-        return len(self.gpu_table) - len(self.fixed)
+    def num_reads(self) -> int:
+        """Blocks this row reads per layer at most: its fixed blocks and its picks."""
+        return len(self.fixed) + self.max_picks
 
     def num_fixed_gpu(self) -> int:
         """Fixed blocks read in place from the GPU tier."""
@@ -104,9 +106,6 @@ class DecodeSelection:
             choosing sequences as ``(group index, batch rows)`` (an int64 device tensor; the
             sequences that do not choose with group 0).
         picks: the policy's picks of each layer so far (int64 ``[S, k]`` device tensors).
-        num_reads: blocks each layer reads for the batch: a choosing sequence's fixed blocks and
-            the policy's ``max_decode_picks`` (QUEST picks exactly that many), every block of the
-            others.
     """
 
     def __init__(self, rows: list[_Row], choosing: list[int], layout: TierRows, num_gpu_blocks: int,
@@ -143,16 +142,21 @@ class DecodeSelection:
                                    f"found host block {host_table[-1]}")
             selects = policy.selects(n)
             fixed = sorted(set(policy.fixed_decode_blocks(n)) | {n - 1}) if selects else list(range(n))
-            rows.append(_Row(gpu_table, host_table, length, fixed, len(choosing) if selects else -1, block_size))
+            rows.append(_Row(gpu_table, host_table, length, fixed, len(choosing) if selects else -1,
+                             policy.max_decode_picks(n - len(fixed)) if selects else 0, block_size))
             if selects:
                 choosing.append(len(rows) - 1)
         if not choosing:
             return None
         selection = cls(rows, choosing, layout, num_gpu_blocks, block_size, device)
         selection._upload(policy, reuse)
-        selection.num_reads = sum(len(row.fixed) + policy.max_decode_picks(row.num_candidates()) if row.choosing >= 0
-                                  else len(row.gpu_table) for row in rows)
         return selection
+
+    def num_reads(self) -> int:
+        """Blocks each layer reads for the batch at most: a choosing sequence's fixed blocks and
+        its ``max_decode_picks`` (an upper bound in general; QUEST always picks that many, having
+        more candidates than top-k whenever it selects), every block of the others."""
+        return sum(row.num_reads() for row in self.rows)
 
     def _candidates(self, num_gpu_blocks: int) -> DecodeBlocks:
         """The candidates of the choosing sequences: metadata slots ``[S, W]`` (W their longest
@@ -191,7 +195,7 @@ class DecodeSelection:
         self.free_tokens, self.victims, self.num_victims = dev["free_tokens"], dev["victims"], dev["num_victims"]
         self.query_rows = None if len(self.choosing) == len(self.rows) else to_device(self.choosing, torch.int64,
                                                                                       self.device)
-        self._other_tables(policy)
+        self._other_tables()
 
     def _host_tensors(self, rows: list[_Row], victims: list[list[int]], reuse: ReuseCache | None):
         """The step's tensors on the host (``planned``, kept for :meth:`replay`)."""
@@ -241,13 +245,13 @@ class DecodeSelection:
             group_of.append(group)
         return group_of
 
-    def _other_tables(self, policy: SparsePolicy):
+    def _other_tables(self):
         """Block tables (local block ids) and context lengths of the batch; the rows of the
         choosing sequences are written per layer. The tables are as wide as the most blocks a row
         reads (a choosing row: its fixed GPU-tier blocks and its most picks), not as its logical
         blocks: the paged kernel splits its work by the table's width."""
         tables = [[] if row.choosing >= 0 else [g for g in row.gpu_table if g != NO_BLOCK] for row in self.rows]
-        width = max(max(map(len, tables)), max(row.num_fixed_gpu() + policy.max_decode_picks(row.num_candidates())
+        width = max(max(map(len, tables)), max(row.num_fixed_gpu() + row.max_picks
                                                for row in self.rows if row.choosing >= 0))
         lens = [len(t) * self.block_size - row.free_tokens if row.choosing < 0 else 0
                 for t, row in zip(tables, self.rows)]

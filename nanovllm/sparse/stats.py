@@ -1,5 +1,5 @@
-"""Density statistics of the sparse attention of one engine (the attention pipeline counts, the
-policy only chooses).
+"""Density statistics of the sparse attention of one engine (the KV cache and its attention
+pipeline count, the policy only chooses).
 
 - **compute density** (prefill): kept / causally visible sparse blocks (``sparse_block_size``
   tokens, 128 by default), counted over heads and query blocks. Policies whose prefill attends to
@@ -82,7 +82,7 @@ class SparseStats:
         self._reused[layer] = self._reused.get(layer, 0) + reused
         self._selected[layer] = self._selected.get(layer, 0) + selected
 
-    def to_dict(self, dense_prefill: bool, dense_decode: bool = True) -> dict:
+    def to_dict(self, dense_prefill: bool, dense_decode: bool) -> dict:
         """``{"prefill": {...}, "decode": {...}}`` of plain Python numbers (see
         ``LLMEngine.get_sparse_stats``); a density is None where nothing was counted.
         ``dense_prefill`` / ``dense_decode``: the policy attends to every visible key in prefill /
