@@ -1,6 +1,8 @@
 """Data parallelism on the CPU (gloo): D replicas, spawned or under torchrun, return DP=1's
 outputs in input order; the split, the statistics and bad values."""
 import dataclasses
+import time
+from pathlib import Path
 
 import pytest
 
@@ -238,6 +240,20 @@ def test_add_request_and_step_are_refused(dp2):
 
 
 @pytest.mark.slow
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux /proc), but multiprocessing's resource tracker."""
+    pids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(p) for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_data_parallel_2_by_tensor_parallel_2(llama_tied_dir, reference):
     """DP=2 x TP=2 (replica 1 spawns its own tensor-parallel rank) returns DP=1's outputs; a
     replica that dies is a RuntimeError naming it, every later call too; shutdown stops every
@@ -245,8 +261,13 @@ def test_data_parallel_2_by_tensor_parallel_2(llama_tied_dir, reference):
     llm = build_llm(llama_tied_dir, data_parallel_size=2, tensor_parallel_size=2)
     assert_same_outputs(llm.generate(*workload(), use_tqdm=False), reference)
     replica, worker = llm._replicas.procs[0], llm._workers[0]
+    (replica_rank,) = _children(replica.pid)
     replica.kill()
     replica.join()
+    deadline = time.monotonic() + 30
+    while _alive(replica_rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(replica_rank), "the killed replica's tensor-parallel rank exits with it"
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"data-parallel replica 1 \(pid \d+\) exited with code -9"):
             llm.generate(*workload(), use_tqdm=False)

@@ -1,5 +1,10 @@
 """The tensor-parallel ranks of a spawned engine: ranks 1..N-1 started as processes on this host,
-watched for death, and stopped with rank 0's runner."""
+watched for death, and stopped with rank 0's runner. A spawned rank exits when the process that
+started it is gone (killed before it could stop its ranks, e.g. a data-parallel replica), instead
+of waiting for its next call forever."""
+import os
+import threading
+import time
 from multiprocessing import get_context
 
 from nanovllm.config import Config
@@ -17,8 +22,8 @@ def spawn_ranks(config: Config, first_device: int, workers: list) -> ModelRunner
         ctx = get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
             event = ctx.Event()
-            proc = ctx.Process(target=ModelRunner,
-                               args=(config, rank, channel, event, store.port, first_device + rank))
+            proc = ctx.Process(target=_rank_main,
+                               args=(os.getpid(), config, rank, channel, event, store.port, first_device + rank))
             proc.start()
             workers.append(proc)
             events.append(event)
@@ -31,6 +36,29 @@ def spawn_ranks(config: Config, first_device: int, workers: list) -> ModelRunner
             proc.terminate()
             proc.join()
         raise
+
+
+PARENT_POLL_S = 0.5
+"""How often a spawned rank checks that the process that started it is alive."""
+
+
+def _rank_main(parent: int, config: Config, rank: int, channel: str, event, port: int, device: int):
+    """A spawned rank's process: its runner's call loop, ended by rank 0's "exit" or, through
+    :func:`_exit_with_parent`, by rank 0's process being gone."""
+    _exit_with_parent(parent)
+    ModelRunner(config, rank, channel, event, port, device)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process (``os._exit``: its runner may be blocked in a wait) once its parent
+    ``parent`` is gone: a daemon thread polls ``os.getppid()``, which changes when the parent
+    dies and this process is re-parented."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
 def check_workers(workers: list):
