@@ -20,8 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import model_runner
-from nanovllm.fetch import cache_root
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 
 def _busy_ms(events) -> float:
@@ -46,8 +45,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trace", help="write the profiler's Chrome trace here")
     args = p.parse_args()
-    model = make_random_checkpoint("llama-3.1-8b", str(cache_root() / f"random-llama-3.1-8b-{args.layers}-layers"),
-                                   num_hidden_layers=args.layers)
+    model = cached_random_checkpoint("llama-3.1-8b", num_hidden_layers=args.layers)
     llm = LLM(model, max_model_len=args.input_len + 100, kvcache_block_size=4096, enable_cpu_offload=True,
               num_kvcache_blocks=2, num_ring_slots=4, sparse_policy="QUEST", sparse_topk_blocks=args.topk,
               sparse_threshold_blocks=4, num_reuse_cache_blocks=args.reuse_rows)

@@ -274,8 +274,9 @@ class KVCache:
                                           self.attention.reuse)
         if self.policy.chooses_decode_blocks:
             blocks = sum(len(seq.block_table) for seq in seqs)
+            read = blocks if selection is None else selection.num_reads()
             for layer in range(self.geometry.num_layers):
-                self.stats.add_reads(layer, blocks if selection is None else selection.num_reads(), blocks)
+                self.stats.add_reads(layer, read, blocks)
         return selection
 
     # ---- observability -----------------------------------------------------------------

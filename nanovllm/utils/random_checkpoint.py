@@ -48,11 +48,13 @@ def write_word_tokenizer(path: str, vocab_size: int, eos_token_id: int = 0):
 
 
 def cached_random_checkpoint(shape: str, **kwargs) -> str:
-    """:func:`make_random_checkpoint` of ``shape`` in ``<nanovllm.fetch.cache_root()>/random-<shape>``,
-    the one place benchmarks and GPU tests keep it (created once)."""
+    """:func:`make_random_checkpoint` of ``shape`` in ``<nanovllm.fetch.cache_root()>/random-<shape>``
+    (``-<name>-<value>`` appended per keyword argument, e.g. ``num_hidden_layers=8``, so that each
+    variant has its own directory), the one place benchmarks and GPU tests keep it (created once)."""
     from nanovllm.fetch import cache_root
 
-    return make_random_checkpoint(shape, str(cache_root() / f"random-{shape}"), **kwargs)
+    name = "".join([f"random-{shape}", *(f"-{key}-{value}" for key, value in sorted(kwargs.items()))])
+    return make_random_checkpoint(shape, str(cache_root() / name), **kwargs)
 
 
 def make_random_checkpoint(shape: str, path: str, dtype: torch.dtype = torch.bfloat16,
