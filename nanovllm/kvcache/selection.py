@@ -182,8 +182,9 @@ class DecodeSelection:
             if reuse is not None:  # the step will not run: its victims keep what they hold
                 reuse.abort_step()
             raise
-        self.group_first_host = torch.tensor([group_of.index(g) for g in group_of])
-        self.group_first = self.group_first_host.to(self.device)
+        group_first = [group_of.index(g) for g in group_of]
+        self.group_first_host = torch.tensor(group_first)
+        self.group_first = to_device(group_first, torch.int64, self.device)  # pinned: no host sync
         self.group_of = to_device(group_of, torch.int64, self.device)
         self.groups = None if group_of[-1] == 0 else [
             (g, to_device([self.choosing[s] for s, x in enumerate(group_of) if x == g]
