@@ -88,8 +88,15 @@ def test_token_id_outside_vocab(llm, bad_id):
 
 
 def test_sampling_params_count_mismatch(llm, good_prompts):
-    with pytest.raises(ValueError, match=r"2 sampling params for 3 prompts"):
+    with pytest.raises(ValueError, match=r"^sampling_params has 2 entries for 3 prompt\(s\): give one SamplingParams"):
         llm.generate(good_prompts, [greedy(1), greedy(1)], use_tqdm=False)
+    assert llm.is_finished()
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_use_tqdm_must_be_a_bool(llm, good_prompts, value):
+    with pytest.raises(ValueError, match=rf"^use_tqdm must be True or False, got {re.escape(repr(value))}"):
+        llm.generate(good_prompts, greedy(1), use_tqdm=value)
     assert llm.is_finished()
 
 

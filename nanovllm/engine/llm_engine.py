@@ -200,6 +200,7 @@ class LLMEngine:
             ValueError: ``prompts`` or a prompt of a wrong form, empty, longer than
                 ``max_model_len`` or with ids outside the vocabulary; a bad SamplingParams.
                 Everything is checked before anything is queued, so the engine keeps serving.
+                ``use_tqdm`` not a bool.
             RuntimeError: a prompt that cannot fit in the KV cache; requests queued with
                 ``add_request`` are still unfinished.
         """
@@ -235,6 +236,8 @@ class LLMEngine:
     def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """Validate everything, then run the requests here or split them across the replicas."""
         self._check_idle()
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         params = self._checks.params_per_prompt(sampling_params, len(prompts))
         prompts = [Prompt(p.text, self._checks.token_ids(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
         if self._replicas is None:

@@ -73,5 +73,6 @@ class RequestChecker:
         if not isinstance(sampling_params, (list, tuple)):
             return [self.params(sampling_params, "sampling_params")] * num_prompts
         if len(sampling_params) != num_prompts:
-            raise ValueError(f"{len(sampling_params)} sampling params for {num_prompts} prompts")
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompt(s): "
+                             "give one SamplingParams for all or one per prompt")
         return [self.params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
