@@ -146,7 +146,8 @@ class Config:
         num_reuse_cache_blocks: QUEST with the host tier: GPU blocks (of every layer) that keep
             host-tier blocks selected in recent decode steps, so a block selected again is read
             in place instead of loaded again (``docs/kvcache.md``); taken from the GPU tier's
-            memory budget. -1 (default): ``sparse_topk_blocks`` (one step's picks of a sequence);
+            memory budget. -1 (default): 2 x ``sparse_topk_blocks`` (twice one step's picks of a
+            sequence: ``nanovllm.kvcache.reuse.DEFAULT_ROWS_PER_PICK`` says why);
             0: no reuse cache. A positive value needs ``enable_cpu_offload`` and QUEST.
         sparse_threshold: XATTN_BSA, share of the estimated attention mass each (head, query
             block) keeps, in [0, 1] (default 0.97, the knee of the RULER sweep at 32K in docs/sparse.md;

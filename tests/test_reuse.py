@@ -7,7 +7,7 @@ FULL through the cache, the cache changing traffic but not tokens) are in tests/
 import pytest
 import torch
 
-from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK, ReuseCache, reuse_cache_rows
 from nanovllm.kvcache.tier_rows import TierRows
 
 BLOCK, HEADS_Q, HEADS_KV, DIM, LAYERS = 256, 4, 2, 32, 2
@@ -32,6 +32,30 @@ def test_victims_are_free_rows_then_least_recent_rows_unused_last_step():
     cache.forget([9, 8])
     assert cache.cached(0) == {5: 10} and cache.cached(1) == {}
     assert cache.begin_step(3) == [[12, 11], [11, 12, 10]], "forgotten rows are free again"
+
+
+def _hits_while_picks_drift(rows: int, top_k: int = 4, steps: int = 12) -> list[int]:
+    """Hits per step of one sequence whose top-k picks slide by one block a step."""
+    cache = ReuseCache(num_layers=1, num_rows=rows, first_row=0)
+    hits_per_step = []
+    for step in range(steps):
+        picks = list(range(step, step + top_k))
+        victims, cached = cache.begin_step(top_k)[0], cache.cached(0)
+        hits = [b for b in picks if b in cached]
+        cache.record(0, hits, list(zip([b for b in picks if b not in cached], victims)))
+        hits_per_step.append(len(hits))
+    return hits_per_step
+
+
+def test_default_rows_cache_every_block_from_its_second_step():
+    """With one row per pick a step that filled every row leaves the next no victim, so a new
+    block is cached a step late (2 hits of 3 possible); the default two rows per pick reuse every
+    block after its first step."""
+    top_k = 4
+    rows = reuse_cache_rows(type("Config", (), dict(num_reuse_cache_blocks=-1, sparse_topk_blocks=top_k)))
+    assert rows == DEFAULT_ROWS_PER_PICK * top_k == 8
+    assert _hits_while_picks_drift(rows, top_k) == [0] + [top_k - 1] * 11
+    assert _hits_while_picks_drift(top_k, top_k)[2:] == [top_k - 2] * 10
 
 
 def test_a_block_picked_by_two_sequences_keeps_one_row():

@@ -110,7 +110,7 @@ class KVCache:
             parts = f"num_kvcache_blocks={sizes.gpu_blocks}"
             if self.reuse_rows or self.staging_rows:
                 parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks, by default "
-                          f"sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
+                          f"2 x sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
             total = sizes.gpu_blocks * g.block_bytes + self._decode_rows_bytes()
             raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err

@@ -34,11 +34,25 @@ the cache first records the pending step, so blocks it placed are forgotten too)
 from collections import OrderedDict
 
 
+DEFAULT_ROWS_PER_PICK = 2
+"""Default reuse-cache rows per layer for each of a sequence's decode picks (``sparse_topk_blocks``).
+
+A step's victims exclude the rows that the last recorded step found or placed. With one row per
+pick, a step that found or placed a block in every row leaves no victim for the next one, whose
+misses then go to staging rows uncached: a newly picked block is cached a step late, and the cache
+admits blocks only every other step while the picks drift. Two rows per pick leave room. Measured
+(CPU, SmolLM2 float32, RULER at 4K, 256-token blocks, top-k 4, 3 sequences batched, the same
+outputs): reuse rate 0.795 with one row per pick, 0.859 with two, and 14% fewer host blocks
+loaded (docs/kvcache.md)."""
+
+
 def reuse_cache_rows(config) -> int:
     """Rows per layer of the reuse cache of a cache with a host tier and a policy that chooses
     decode blocks (``KVCache`` decides whether it has one): ``config.num_reuse_cache_blocks``, by
-    default (-1) ``config.sparse_topk_blocks`` (one step's picks of a sequence)."""
-    return config.sparse_topk_blocks if config.num_reuse_cache_blocks == -1 else config.num_reuse_cache_blocks
+    default (-1) :data:`DEFAULT_ROWS_PER_PICK` x ``config.sparse_topk_blocks``."""
+    if config.num_reuse_cache_blocks == -1:
+        return DEFAULT_ROWS_PER_PICK * config.sparse_topk_blocks
+    return config.num_reuse_cache_blocks
 
 
 class ReuseCache:
