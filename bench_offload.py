@@ -181,7 +181,7 @@ def main():
     parser.add_argument("--sparse-topk-blocks", type=int, default=16)
     parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
     parser.add_argument("--num-reuse-cache-blocks", type=int, default=-1,
-                        help="QUEST's reuse cache in mode tiered (-1: the engine's default, sparse-topk-blocks)")
+                        help="QUEST's reuse cache in mode tiered (-1: the engine's default, 2 x sparse-topk-blocks)")
     parser.add_argument("--modes", default="gpu,tiered", help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
+from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK  # noqa: E402
 from nanovllm.utils import ruler  # noqa: E402
 
 SETTINGS = {
@@ -59,7 +60,8 @@ blocks a prompt spans, so that the block size grows with the length (:func:`bloc
 (docs/sparse.md): FULL's 4 (the first stays in the GPU tier, the next three, ~73% of the prompt,
 are read from the host, and the partial last block is the one written); QUEST's 31 (plus the
 partial last one: 32 blocks, so top-k 4 reads (4 + 3) / 32 = 22% of them). QUEST's reuse cache
-gets top-k rows per layer for each sequence batched (:func:`_settings`), so that the reuse rate
+gets the engine's default rows per pick (``DEFAULT_ROWS_PER_PICK`` x top-k per layer) for each
+sequence batched (:func:`_settings`; one row per pick before session 9), so that the reuse rate
 measures how much consecutive steps' picks overlap, not the cache's size."""
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
@@ -88,8 +90,8 @@ def block_size(name: str, length: int) -> int:
 
 def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
     fields = {k: v for k, v in SETTINGS[name].items() if k not in ("blocks", "block")}
-    if fields.get("sparse_policy") == "QUEST":  # a reuse-cache row per pick of each batched sequence
-        fields["num_reuse_cache_blocks"] = fields["sparse_topk_blocks"] * num_samples
+    if fields.get("sparse_policy") == "QUEST":  # the default rows per pick, for each batched sequence
+        fields["num_reuse_cache_blocks"] = DEFAULT_ROWS_PER_PICK * fields["sparse_topk_blocks"] * num_samples
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
                              max_num_seqs=num_samples, block_size=block, **fields)
     settings.validate()
