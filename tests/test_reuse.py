@@ -7,7 +7,7 @@ FULL through the cache, the cache changing traffic but not tokens) are in tests/
 import pytest
 import torch
 
-from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK, ReuseCache, reuse_cache_rows
+from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK, ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
 
 BLOCK, HEADS_Q, HEADS_KV, DIM, LAYERS = 256, 4, 2, 32, 2
@@ -52,9 +52,7 @@ def test_default_rows_cache_every_block_from_its_second_step():
     block is cached a step late (2 hits of 3 possible); the default two rows per pick reuse every
     block after its first step."""
     top_k = 4
-    rows = reuse_cache_rows(type("Config", (), dict(num_reuse_cache_blocks=-1, sparse_topk_blocks=top_k)))
-    assert rows == DEFAULT_ROWS_PER_PICK * top_k == 8
-    assert _hits_while_picks_drift(rows, top_k) == [0] + [top_k - 1] * 11
+    assert _hits_while_picks_drift(DEFAULT_ROWS_PER_PICK * top_k, top_k) == [0] + [top_k - 1] * 11
     assert _hits_while_picks_drift(top_k, top_k)[2:] == [top_k - 2] * 10
 
 
@@ -268,7 +266,7 @@ def test_reuse_cache_option_is_checked(qwen3_dir):
     from nanovllm.kvcache.reuse import reuse_cache_rows
 
     quest = dict(enable_cpu_offload=True, sparse_policy="QUEST", sparse_topk_blocks=3)
-    assert reuse_cache_rows(Config(qwen3_dir, **quest)) == 3, "default: one step's picks"
+    assert reuse_cache_rows(Config(qwen3_dir, **quest)) == 6, "default: two rows per pick"
     assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=5)) == 5
     assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=0)) == 0
     with build_llm(qwen3_dir, sparse_policy="QUEST") as llm:
