@@ -239,7 +239,6 @@ def test_add_request_and_step_are_refused(dp2):
     assert len(dp2.generate([[5, 6, 7]], greedy(2), use_tqdm=False)[0]["token_ids"]) == 2
 
 
-@pytest.mark.slow
 def _children(pid: int) -> list[int]:
     """The child processes of ``pid`` (Linux /proc), but multiprocessing's resource tracker."""
     pids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -254,6 +253,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_data_parallel_2_by_tensor_parallel_2(llama_tied_dir, reference):
     """DP=2 x TP=2 (replica 1 spawns its own tensor-parallel rank) returns DP=1's outputs; a
     replica that dies is a RuntimeError naming it, every later call too; shutdown stops every
