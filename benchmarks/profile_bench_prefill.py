@@ -6,10 +6,13 @@ added and the engine steps through their prefill chunks twice over fresh prompts
 hits): once with host phases timed around the engine's methods (as ``profile_decode``) and
 ``torch.cuda.set_sync_debug_mode("warn")`` counting synchronizing CUDA calls by call site, once
 under the torch profiler (CUDA kernels summed by category, FlashAttention apart from the GEMMs).
-Prints one JSON document.
+Prints one JSON document. ``--cprofile N`` runs the first pass under cProfile too and lists the
+N functions of most own host time per chunk.
 
     python -m benchmarks.profile_bench_prefill      # CUDA only
+    python -m benchmarks.profile_bench_prefill --cprofile 30
 """
+import argparse
 import collections
 import json
 import random
@@ -21,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import workload
-from benchmarks.profile_decode import category, timed_phases
+from benchmarks.profile_decode import category, host_profile, timed_phases
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
@@ -63,17 +66,27 @@ def warm_engine() -> LLM:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="list the N functions of most own host time per chunk (first pass)")
+    args = parser.parse_args()
     llm = warm_engine()
     prompts, params = workload(256, 1024, 1024)
     host, syncs = collections.defaultdict(float), collections.Counter()
     timed_phases(llm, host)
     count_syncs(syncs)
     torch.cuda.set_sync_debug_mode("warn")
-    walls = prefill_steps(llm, prompts, params)
+    if args.cprofile:
+        walls = []
+        top = host_profile(lambda: walls.extend(prefill_steps(llm, prompts, params)), 1, args.cprofile)
+    else:
+        walls = prefill_steps(llm, prompts, params)
     torch.cuda.set_sync_debug_mode(0)
     result = {"chunks": len(walls), "wall_ms": walls,
               "host_ms_per_chunk": {k: round(v * 1e3 / len(walls), 2) for k, v in host.items()},
               "synchronizing_calls": dict(syncs.most_common(10))}
+    if args.cprofile:
+        result["host_top_functions_ms_per_chunk"] = {k: [round(x / len(walls), 3) for x in v] for k, v in top.items()}
     llm.shutdown()
     llm = warm_engine()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

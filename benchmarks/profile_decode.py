@@ -5,13 +5,18 @@ The engine of ``bench.py`` (random Qwen3-0.6B shape, 256 sequences) gets every r
 until every prefill is done, then times ``--steps`` decode steps, each host phase measured with
 ``time.perf_counter`` around the engine's methods (schedule, input preparation, graph launch,
 sampler launch, the wait for the step's tokens, postprocess), and profiles 10 more with the torch
-profiler (CUDA kernels, also those inside CUDA graphs), summed by category.
+profiler (CUDA kernels, also those inside CUDA graphs), summed by category. With ``--cprofile N``
+a further ``--steps`` steps run under cProfile and the N functions of most own host time are
+listed (ms per step): where a step is host-bound (wall above GPU time), what to make cheaper.
 
     python -m benchmarks.profile_decode --mode sync     # or async, eager
+    python -m benchmarks.profile_decode --num-seqs 16 --cprofile 30    # a small batch's host time
 """
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import time
 
 import torch
@@ -69,15 +74,35 @@ def kernel_ms(llm, steps: int) -> dict:
             "top_kernels_ms": {k: round(v, 4) for k, v in top}}
 
 
+def host_profile(run, steps: int, top: int) -> dict:
+    """``run()`` under cProfile: the ``top`` functions by own time, ``{"file:line(name)": [own ms,
+    cumulative ms]}`` per step (``steps`` = how many steps ``run`` made)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {f"{file.rsplit('/', 2)[-1]}:{line}({name})": [round(own * 1e3 / steps, 4), round(cum * 1e3 / steps, 4)]
+            for (file, line, name), (_, _, own, cum, _) in rows}
+
+
+def run_steps(llm, steps: int) -> None:
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("sync", "async", "eager"), default="async")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--num-seqs", type=int, default=256, help="bench.py's requests (the decode batch)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also list the N functions of most own host time per step")
     args = parser.parse_args()
     model = cached_random_checkpoint("qwen3-0.6b")
     llm = LLM(model, max_model_len=4096, enforce_eager=args.mode == "eager", async_scheduling=args.mode == "async")
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    for prompt, params in zip(*workload(256, 1024, 1024)):
+    for prompt, params in zip(*workload(args.num_seqs, 1024, 1024)):
         llm.add_request(prompt, params)
     while llm.step()[1] >= 0:  # prefill steps, up to the first decode step
         pass
@@ -87,14 +112,15 @@ def main() -> None:
     totals = collections.defaultdict(float)
     timed_phases(llm, totals)
     start = time.perf_counter()
-    for _ in range(args.steps):
-        llm.step()
-    torch.cuda.synchronize()
+    run_steps(llm, args.steps)
     wall = time.perf_counter() - start
     result = {"mode": args.mode, "batch": len(llm.scheduler.running), "steps": args.steps,
               "wall_ms_per_step": round(wall / args.steps * 1e3, 3),
               "host_ms_per_step": {k: round(v / args.steps * 1e3, 3) for k, v in totals.items()},
               **kernel_ms(llm, 10)}
+    if args.cprofile:
+        result["host_top_functions_ms_per_step"] = host_profile(lambda: run_steps(llm, args.steps), args.steps,
+                                                                args.cprofile)
     llm.shutdown()
     print(json.dumps(result))
 

@@ -404,6 +404,32 @@ def test_stop_token_is_kept_in_ids_and_left_out_of_text(llm):
 
 # ---- n, seeds, temperature ---------------------------------------------------------------------
 
+def test_outputs_are_built_as_requests_finish(llm):
+    """generate() detokenizes a request when its last sequence finishes, during the run: a short
+    request's output exists steps before the long one ends; an n=2 request is built once, with
+    both completions; outputs come back in input order."""
+    built, steps, step = [], [0], llm._step
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    request = llm._outputs.request
+    llm._step = counting_step
+    llm._outputs.request = lambda request_id, prompt, seqs: built.append((steps[0], len(seqs))) or \
+        request(request_id, prompt, seqs)
+    try:
+        prompts = [random_prompt(n, seed=1580 + n) for n in (10, 12, 14)]
+        params = [greedy(2), greedy(12), SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=6, ignore_eos=True)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm._step, llm._outputs.request
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 12, 6] and len(outs[2].outputs) == 2
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [n for _, n in built] == [1, 2, 1]  # short, the pair, long: in the order they finished
+    assert built[0][0] < built[1][0] < built[2][0] == steps[0]
+
+
 def test_n_completions_with_a_seed(llm):
     """n=4 with seed s: completion i equals a single request with seed s + i (vLLM's rule);
     reproducible; the four differ; grouped in one RequestOutput in index order."""

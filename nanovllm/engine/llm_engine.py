@@ -257,32 +257,39 @@ class LLMEngine:
             for ids, sp in zip((p.token_ids for p in prompts), params):
                 groups.append([self._add(ids, child) for child in _completions(sp)])
                 seq_ids += groups[-1]
-            finished = self._run_until_done(set(seq_ids), use_tqdm)
+            return self._run_until_done(prompts, groups, len(seq_ids), use_tqdm)
         except BaseException:
             for seq_id in seq_ids:
                 self._generators.pop(seq_id, None)
             self.scheduler.abort(set(seq_ids))
             self._steps.drop_in_flight()
             raise
-        return [self._outputs.request(str(group[0]), prompt.text, [finished[i] for i in group])
-                for prompt, group in zip(prompts, groups)]
 
-    def _run_until_done(self, pending: set[int], use_tqdm: bool) -> dict[int, Sequence]:
-        results = {}
-        bar = tqdm(total=len(pending), desc="Generating", dynamic_ncols=True,
-                   disable=not use_tqdm or self.rank > 0)
+    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], num_seqs: int,
+                        use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the ``num_seqs`` sequences of ``groups`` (a request's sequence ids each)
+        finish. A request's output is built (detokenized) as soon as its last sequence finishes,
+        while the device runs the steps in flight, rather than all at the end."""
+        group_of = {seq_id: i for i, group in enumerate(groups) for seq_id in group}
+        finished: dict[int, Sequence] = {}
+        outputs: list[RequestOutput | None] = [None] * len(groups)
+        bar = tqdm(total=num_seqs, desc="Generating", dynamic_ncols=True, disable=not use_tqdm or self.rank > 0)
         prefill_tps = decode_tps = 0.0
-        while pending - results.keys():
+        while len(finished) < num_seqs:
             t = time.perf_counter()
-            finished, num_tokens = self._step()
+            done, num_tokens = self._step()
             rate = abs(num_tokens) / max(time.perf_counter() - t, 1e-9)
             prefill_tps, decode_tps = (rate, decode_tps) if num_tokens > 0 else (prefill_tps, rate)
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-            for seq in finished:
-                results[seq.seq_id] = seq
+            for seq in done:
+                finished[seq.seq_id] = seq
                 bar.update(1)
+                r = group_of[seq.seq_id]
+                if all(seq_id in finished for seq_id in groups[r]):
+                    outputs[r] = self._outputs.request(str(groups[r][0]), prompts[r].text,
+                                                       [finished[seq_id] for seq_id in groups[r]])
         bar.close()
-        return results
+        return outputs
 
     # ---- statistics --------------------------------------------------------------------
     def get_kv_cache_stats(self) -> dict:
