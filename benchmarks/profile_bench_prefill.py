@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import workload
-from benchmarks.profile_decode import category, host_profile, timed_phases
+from benchmarks.profile_decode import category, host_profile, per_unit, timed_phases
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
@@ -78,7 +78,7 @@ def main() -> None:
     torch.cuda.set_sync_debug_mode("warn")
     if args.cprofile:
         walls = []
-        top = host_profile(lambda: walls.extend(prefill_steps(llm, prompts, params)), 1, args.cprofile)
+        top = host_profile(lambda: walls.extend(prefill_steps(llm, prompts, params)), args.cprofile)
     else:
         walls = prefill_steps(llm, prompts, params)
     torch.cuda.set_sync_debug_mode(0)
@@ -86,7 +86,7 @@ def main() -> None:
               "host_ms_per_chunk": {k: round(v * 1e3 / len(walls), 2) for k, v in host.items()},
               "synchronizing_calls": dict(syncs.most_common(10))}
     if args.cprofile:
-        result["host_top_functions_ms_per_chunk"] = {k: [round(x / len(walls), 3) for x in v] for k, v in top.items()}
+        result["host_top_functions_ms_per_chunk"] = per_unit(top, len(walls))
     llm.shutdown()
     llm = warm_engine()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

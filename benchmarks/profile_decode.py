@@ -74,15 +74,20 @@ def kernel_ms(llm, steps: int) -> dict:
             "top_kernels_ms": {k: round(v, 4) for k, v in top}}
 
 
-def host_profile(run, steps: int, top: int) -> dict:
+def host_profile(run, top: int) -> dict:
     """``run()`` under cProfile: the ``top`` functions by own time, ``{"file:line(name)": [own ms,
-    cumulative ms]}`` per step (``steps`` = how many steps ``run`` made)."""
+    cumulative ms]}`` over the whole call."""
     profiler = cProfile.Profile()
     profiler.runcall(run)
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {f"{file.rsplit('/', 2)[-1]}:{line}({name})": [round(own * 1e3 / steps, 4), round(cum * 1e3 / steps, 4)]
+    return {f"{file.rsplit('/', 2)[-1]}:{line}({name})": [own * 1e3, cum * 1e3]
             for (file, line, name), (_, _, own, cum, _) in rows}
+
+
+def per_unit(totals: dict, units: int) -> dict:
+    """:func:`host_profile`'s milliseconds per step (or chunk), rounded."""
+    return {k: [round(ms / units, 4) for ms in v] for k, v in totals.items()}
 
 
 def run_steps(llm, steps: int) -> None:
@@ -119,8 +124,8 @@ def main() -> None:
               "host_ms_per_step": {k: round(v / args.steps * 1e3, 3) for k, v in totals.items()},
               **kernel_ms(llm, 10)}
     if args.cprofile:
-        result["host_top_functions_ms_per_step"] = host_profile(lambda: run_steps(llm, args.steps), args.steps,
-                                                                args.cprofile)
+        result["host_top_functions_ms_per_step"] = per_unit(
+            host_profile(lambda: run_steps(llm, args.steps), args.cprofile), args.steps)
     llm.shutdown()
     print(json.dumps(result))
 

@@ -257,7 +257,7 @@ class LLMEngine:
             for ids, sp in zip((p.token_ids for p in prompts), params):
                 groups.append([self._add(ids, child) for child in _completions(sp)])
                 seq_ids += groups[-1]
-            return self._run_until_done(prompts, groups, len(seq_ids), use_tqdm)
+            return self._run_until_done(prompts, groups, use_tqdm)
         except BaseException:
             for seq_id in seq_ids:
                 self._generators.pop(seq_id, None)
@@ -265,17 +265,16 @@ class LLMEngine:
             self._steps.drop_in_flight()
             raise
 
-    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], num_seqs: int,
-                        use_tqdm: bool) -> list[RequestOutput]:
-        """Step until the ``num_seqs`` sequences of ``groups`` (a request's sequence ids each)
-        finish. A request's output is built (detokenized) as soon as its last sequence finishes,
-        while the device runs the steps in flight, rather than all at the end."""
+    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every sequence of ``groups`` (a request's sequence ids each) finishes. A
+        request's output is built (detokenized) as soon as its last sequence finishes, while the
+        device runs the steps in flight, rather than all at the end."""
         group_of = {seq_id: i for i, group in enumerate(groups) for seq_id in group}
         finished: dict[int, Sequence] = {}
         outputs: list[RequestOutput | None] = [None] * len(groups)
-        bar = tqdm(total=num_seqs, desc="Generating", dynamic_ncols=True, disable=not use_tqdm or self.rank > 0)
+        bar = tqdm(total=len(group_of), desc="Generating", dynamic_ncols=True, disable=not use_tqdm or self.rank > 0)
         prefill_tps = decode_tps = 0.0
-        while len(finished) < num_seqs:
+        while len(finished) < len(group_of):
             t = time.perf_counter()
             done, num_tokens = self._step()
             rate = abs(num_tokens) / max(time.perf_counter() - t, 1e-9)

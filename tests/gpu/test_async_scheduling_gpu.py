@@ -8,7 +8,8 @@ the stopping sequence is computed in one more step, which can change that step's
 size; there (float32) tokens, text and finish reasons must be equal, logprobs within
 ``FLOAT32_TOL`` and each sampled token's rank within ``RANK_TOL`` (the rank counts the vocabulary's
 logits above the token's: deep in a random model's nearly flat distribution, float32 logits of two
-batch shapes reorder near-ties; seen on the H200: 134,497 against 134,496). Each run's wall time goes to ``$OUT/async_scheduling_gpu.json`` when $OUT is set.
+batch shapes reorder near-ties; seen on the H200: 134,497 against 134,496). Each run's wall time
+goes to ``$OUT/async_scheduling_gpu.json`` when $OUT is set.
 """
 import dataclasses
 import gc
