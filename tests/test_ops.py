@@ -17,6 +17,7 @@ from _util import selection_case
 
 from nanovllm.ops import decode_merge
 from nanovllm.ops import (
+    KVStore,
     apply_rotary,
     apply_rotary_ref,
     decode_attend_merge,
@@ -364,6 +365,34 @@ def test_apply_rotary_with_qk_norm_cpu_is_norm_then_rotary(dtype):
         assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(ValueError, match="qk_norm weights must be"):
         apply_rotary(positions, q, k, cache, (qk_norm[0][:32], qk_norm[1], 1e-6))
+
+
+def _kv_store_case(dtype, v, slots):
+    """A KVStore over empty (NaN) caches of 4 blocks x 4 slots, for the values ``v`` ``[N, 2, D]``."""
+    caches = torch.full((2, 4, 4, *v.shape[1:]), float("nan"), dtype=dtype)
+    return KVStore(v, caches[0], caches[1], torch.tensor(slots))
+
+
+@eager_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_stores_rotated_keys_and_values_like_store_kvcache(dtype):
+    """With a KVStore, apply_rotary also writes k' and v into their slots (a -1 slot skipped),
+    exactly as store_kvcache of its own k' would; its q' and k' are unchanged by the store."""
+    cache, q, k, qk_norm = _rotary_case(dtype, 5, 300)
+    v = torch.randn(5, 2, 64).to(dtype)
+    positions = torch.tensor([0, 1, 17, 299, 3])
+    got_store, want_store = (_kv_store_case(dtype, v, [9, -1, 0, 15, 4]) for _ in range(2))
+    got = apply_rotary(positions, q, k, cache, qk_norm, got_store)
+    want = apply_rotary_ref(positions, q, k, cache, qk_norm)
+    store_kvcache_ref(want[1], v, want_store.k_cache, want_store.v_cache, want_store.slot_mapping)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(got_store[1:3], want_store[1:3]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert torch.equal(got_store.k_cache[2, 1], got[1][0]) and torch.equal(got_store.v_cache[3, 3], v[3])
+    assert got_store.k_cache.isnan().sum() == (16 - 4) * 2 * 64  # 4 tokens stored, slot -1 skipped
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        apply_rotary(positions, q, k, cache, qk_norm, _kv_store_case(dtype, v, [0, 1]))
 
 
 @eager_only
@@ -845,6 +874,23 @@ def test_interpreted_apply_rotary_with_qk_norm_matches_reference(dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_apply_rotary_with_kv_store_matches_reference(dtype):
+    """The kernel's fused store: k' and v in their slots (a -1 slot skipped) as the reference
+    (rotation, then store_kvcache_ref) writes them."""
+    cache, q, k, qk_norm = _rotary_case(dtype, 5, 50)
+    v = torch.randn(5, 2, 64).to(dtype)
+    positions = torch.tensor([0, 1, 17, 49, 3])
+    got_store, want_store = (_kv_store_case(dtype, v, [9, -1, 0, 15, 4]) for _ in range(2))
+    got = apply_rotary(positions, q, k, cache, qk_norm, got_store)
+    want = apply_rotary_ref(positions, q, k, cache, qk_norm, want_store)
+    for a, b in zip(got + got_store[1:3], want + want_store[1:3]):
+        assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), 1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(got_store.k_cache[2, 1], got[1][0]) and torch.equal(got_store.v_cache[3, 3], v[3])
+    assert got_store.v_cache.isnan().sum() == (16 - 4) * 2 * 64
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,d", [(1, 40), (5, 1100), (0, 64)])
 def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
@@ -875,7 +921,7 @@ def test_interpreted_gather_host_blocks_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=44)
+    run_interpreted_tests(__file__, min_passed=46)
 
 
 def test_decode_split_plan_splits_only_an_under_filled_gpu():

@@ -2,6 +2,8 @@
 import pytest
 
 from nanovllm import SamplingParams
+from nanovllm.engine.scheduler import longest_first
+from nanovllm.engine.sequence import Sequence
 
 from _util import StepRecorder, build_llm, greedy, random_prompt, run_requests, token_ids
 
@@ -128,7 +130,15 @@ def test_prefill_has_priority_and_decode_batches_all_running(llama3_dir):
     first, second, third = rec.steps
     assert first == (True, [(a, 40), (b, 60)])
     assert second == (True, [(c, 30)])  # a new prompt is prefilled before decodes continue
-    assert third[0] is False and [sid for sid, _ in third[1]] == [a, b, c]
+    assert third[0] is False and [sid for sid, _ in third[1]] == [b, a, c]  # all running, longest context first
+
+
+def test_longest_first_orders_by_context_and_keeps_ties_in_order():
+    """Decode batches run longest context first (the attention kernel starts its longest programs
+    first); equal lengths keep their order, so a sorted batch's order is stable step to step."""
+    seqs = [Sequence(list(range(n)), SamplingParams(), BLOCK) for n in (5, 9, 5, 12, 9)]
+    assert [s.seq_id for s in longest_first(seqs)] == [seqs[i].seq_id for i in (3, 1, 4, 0, 2)]
+    assert longest_first([]) == []
 
 
 def test_step_reports_tokens_processed(llama3_dir):

@@ -10,6 +10,15 @@ from nanovllm.kvcache.block_manager import BlockManager
 logger = logging.getLogger(__name__)
 
 
+def longest_first(batch: list[Sequence]) -> list[Sequence]:
+    """A decode batch in the order its rows run: the longest contexts first (ties keep their
+    order), so that the paged decode attention kernel, whose programs start in row order, starts
+    the longest ones first and no long program starts last, while the others have finished
+    (longest-processing-time-first scheduling). Every context grows by one token a step, so a
+    sorted batch stays sorted and sorting it again is linear."""
+    return sorted(batch, key=len, reverse=True)
+
+
 class Scheduler:
     """nano-vLLM's scheduler with chunked prefill over a two-tier KV cache.
 
@@ -87,7 +96,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        return scheduled
+        return longest_first(scheduled)
 
     def abort(self, seq_ids: set[int]):
         """Drop these requests wherever they are, freeing their blocks."""
@@ -133,7 +142,7 @@ class Scheduler:
         for seq in batch:
             self.block_manager.ensure_writable(seq, 1)
             seq.num_scheduled_tokens = 1
-        return batch
+        return longest_first(batch)
 
     def schedule_prefill_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
         """The prefill step after ``seqs``, a prefill step whose sampled tokens are still on the

@@ -69,9 +69,9 @@ class KVCache:
         self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``pipeline.py``)."""
-        return self.attention.forward(layer, q, k, v)
+        return self.attention.forward(layer, q, k, v, rotate)
 
     # ---- memory ------------------------------------------------------------------------
     def metadata_bytes_per_block(self) -> int:

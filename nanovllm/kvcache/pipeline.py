@@ -31,7 +31,7 @@ from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection, StepPicks
-from nanovllm.ops import (block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
+from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
                           prefill_attention, store_kvcache)
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
@@ -133,14 +133,21 @@ class TieredAttention:
                 self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
                                  for _, host_id in ctx.selection.fixed_loads], serial=True)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer: q ``[N, Hq, D]``, k, v ``[N, Hkv, D]`` (the batch's new
-        tokens, packed) -> ``[N, Hq, D]``; stores k, v in the GPU tier first."""
+        tokens, packed) -> ``[N, Hq, D]``; stores k, v in the GPU tier first. ``rotate``
+        (:data:`nanovllm.layers.attention.Rotate`): q and k still need RoPE, and it stores k and
+        v in the same launch."""
         ctx = get_context()
         if ctx.slot_mapping is None:  # the cache is not touched: warm-up, scoring
+            if rotate is not None:
+                q, k = rotate(q, k)
             return self._prefill(layer, q, k, v, ctx, None, None)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if rotate is not None:
+            q, k = rotate(q, k, kv_store=KVStore(v, k_cache, v_cache, ctx.slot_mapping))
+        else:
+            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return self._prefill(layer, q, k, v, ctx, k_cache, v_cache)
         if ctx.paged_only:

@@ -1,6 +1,13 @@
 """Attention over the KV cache: a thin call into the cache the model runner binds."""
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+Rotate = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""RoPE of the new tokens' q and k: ``rotate(q, k, kv_store=None) -> (q', k')``, which also writes
+k' and the values into the KV cache when given a :class:`nanovllm.ops.rotary.KVStore` (a bound
+:class:`nanovllm.layers.rotary_embedding.RotaryEmbedding`)."""
 
 
 class Attention(nn.Module):
@@ -17,7 +24,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_id, self.kv_cache = -1, None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: Rotate | None = None) -> torch.Tensor:
+        """Attention of the new tokens; ``rotate`` (RoPE not yet applied to q and k) runs in the
+        cache, which stores the keys and values in the same launch."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound (the model runner binds one)")
-        return self.kv_cache.attend(self.layer_id, q, k, v)
+        return self.kv_cache.attend(self.layer_id, q, k, v, rotate)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.ops import apply_rotary
+from nanovllm.ops import KVStore, apply_rotary
 
 
 def rope_parameters(hf_config) -> dict:
@@ -64,8 +64,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin_cache", torch.stack((freqs.cos(), freqs.sin())), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
+                kv_store: KVStore | None = None):
         """RoPE of q and k; with ``q_norm`` and ``k_norm`` (Qwen3's per-head :class:`RMSNorm`
-        modules, one eps) they are applied first, in the same launch."""
+        modules, one eps) they are applied first, and with ``kv_store`` the rotated keys and the
+        values are written into the KV cache, all in the same launch."""
         qk_norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-        return apply_rotary(positions, q, k, self.cos_sin_cache, qk_norm)
+        return apply_rotary(positions, q, k, self.cos_sin_cache, qk_norm, kv_store)

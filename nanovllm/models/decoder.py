@@ -1,5 +1,7 @@
 """The Llama-family decoder shared by Llama (2/3, SmolLM2, Mistral without sliding window),
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm), with tensor-parallel layers."""
+import functools
+
 import torch
 from torch import nn
 
@@ -44,11 +46,8 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3: the per-head norms in RoPE's launch
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+        norms = {"q_norm": self.q_norm, "k_norm": self.k_norm} if self.qk_norm else {}  # Qwen3, in RoPE's launch
+        o = self.attn(q, k, v, functools.partial(self.rotary_emb, positions, **norms))
         return self.o_proj(o.flatten(1, -1))
 
 

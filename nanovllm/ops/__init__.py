@@ -12,7 +12,7 @@ from .decode_merge import decode_attend_merge, decode_attend_merge_ref
 from .host_gather import gather_host_blocks, gather_host_blocks_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
-from .rotary import apply_rotary, apply_rotary_ref
+from .rotary import KVStore, apply_rotary, apply_rotary_ref
 from .sample_race import sample_race, sample_race_ref
 from .selected_reads import pick_rows, selected_reads, selected_reads_ref
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
@@ -21,6 +21,7 @@ from .xattn_estimate import xattn_block_scores, xattn_block_scores_ref
 from .xattn_select import block_density, xattn_select_blocks, xattn_select_blocks_ref
 
 __all__ = [
+    "KVStore",
     "apply_rotary",
     "apply_rotary_ref",
     "block_density",

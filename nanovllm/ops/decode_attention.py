@@ -6,7 +6,9 @@ once, walks its tokens in tiles through the block table with FlashAttention-2's 
 (fp32 running max, sum and accumulator), and writes a partial output plus its log-sum-exp. A
 second kernel merges the splits by LSE. Programs of the same sequence's KV heads are adjacent in
 the grid (the heads of a token share its cache row), and a tile's block id is loaded one tile
-ahead, so that the K/V loads never wait for the block table.
+ahead, so that the K/V loads never wait for the block table. Programs start in row order: the
+scheduler puts a decode batch's longest contexts first (``engine/scheduler.py::longest_first``),
+so that no long program starts last, while the rest of the GPU idles.
 """
 
 import functools

@@ -5,7 +5,8 @@ import torch
 from ._triton import cdiv, check_head_dim, next_pow2, tl, triton, use_triton
 
 
-def _check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
+def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """ValueError unless :func:`store_kvcache` takes these arguments (shapes, strides, head_dim)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim]; "
@@ -37,7 +38,7 @@ def store_kvcache_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Torch reference of :func:`store_kvcache` (same arguments); indexes with a host sync."""
-    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    check_store_args(key, value, k_cache, v_cache, slot_mapping)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
@@ -94,7 +95,7 @@ def store_kvcache(
     slot is -1 and the caches' block and offset dimensions merge into one (out-of-range slots
     raise); otherwise, and on other devices, :func:`store_kvcache_ref`.
     """
-    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    check_store_args(key, value, k_cache, v_cache, slot_mapping)
     if not use_triton(key):
         if not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping)):
             store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -10,6 +10,7 @@ from _gpu_util import assert_close
 from _util import selection_case
 
 from nanovllm.ops import (
+    KVStore,
     apply_rotary,
     apply_rotary_ref,
     decode_attend_merge,
@@ -286,6 +287,28 @@ def test_apply_rotary_with_qk_norm_matches_reference(dtype):
     expected = apply_rotary_ref(positions, q, k, cache, qk_norm)
     for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm), expected):
         assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_kv_store_equals_rotary_then_store_kvcache(dtype):
+    """The store fused into the RoPE launch writes the cache bit for bit as apply_rotary followed
+    by store_kvcache (Qwen3-0.6B's heads, 256-token blocks, padding slots of -1 skipped)."""
+    dim, tokens = 128, 333
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim)))
+    cache = torch.stack((angles.cos(), angles.sin()))
+    qkv = torch.randn(tokens, 32 * dim, device=DEVICE).mul_(4).to(dtype)
+    q, k, v = (qkv[:, a * dim:b * dim].view(tokens, -1, dim) for a, b in ((0, 16), (16, 24), (24, 32)))
+    qk_norm = ((torch.rand(dim, device=DEVICE) + 0.5).to(dtype), (torch.rand(dim, device=DEVICE) + 0.5).to(dtype), 1e-6)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    slots = torch.randperm(8 * 256, device=DEVICE)[:tokens].int()
+    slots[::7] = -1
+    fused, separate = (torch.full((2, 8, 256, 8, dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
+    got = apply_rotary(positions, q, k, cache, qk_norm, KVStore(v, fused[0], fused[1], slots))
+    want = apply_rotary(positions, q, k, cache, qk_norm)
+    store_kvcache(want[1], v, separate[0], separate[1], slots)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(fused.nan_to_num(7.0), separate.nan_to_num(7.0))
+    assert fused.isnan().sum() == (8 * 256 - (slots >= 0).sum()) * 2 * 8 * dim
 
 
 def _silu_tolerance(dtype):
