@@ -28,7 +28,7 @@ from nanovllm.engine import sampling_batch
 from nanovllm.utils.random_checkpoint import cached_random_checkpoint
 
 CATEGORIES = (("decode_attention", ("decode",)), ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "cublas")),
-              ("sampling", ("sample_race", "softmax", "argmax", "distribution", "gather")),
+              ("sampling", ("race", "softmax", "argmax", "distribution", "gather")),
               ("rmsnorm", ("rms",)), ("rope", ("rotary",)), ("kv_store", ("store_kv",)),
               ("silu_and_mul", ("silu",)), ("copies", ("memcpy", "memset")))
 
