@@ -13,7 +13,9 @@ from nanovllm.sampling_params import SEED_MAX, SEED_MIN, check_bool, is_integer
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "half": torch.float16}
+"""``dtype`` names, vLLM's aliases ("float", "half") included."""
 BLOCK_SIZE_MULTIPLE = 256
 
 

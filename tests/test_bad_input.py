@@ -3,6 +3,7 @@ input, RuntimeError for resources), and leaves the engine serving everything els
 import re
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -174,6 +175,9 @@ def test_integer_fields_below_minimum(qwen3_dir, field, value, limit):
 def test_bad_dtype_and_device(qwen3_dir):
     with pytest.raises(ValueError, match=r"dtype must be one of .*got 'int8'"):
         build_llm(qwen3_dir, dtype="int8")
+    for alias, dtype in (("half", torch.float16), ("float", torch.float32)):  # vLLM's names
+        with build_llm(qwen3_dir, dtype=alias) as llm:
+            assert llm.config.dtype == dtype
     with pytest.raises(ValueError, match=r"device must be 'auto', 'cuda' or 'cpu', got 'tpu'"):
         build_llm(qwen3_dir, device="tpu")
 

@@ -435,6 +435,27 @@ def test_silu_and_mul_cpu_is_the_torch_form(dtype):
 
 
 @eager_only
+def test_store_kvcache_rejects_bad_slots_and_dtypes():
+    """Slots must be int32/int64 and, off CUDA, inside -1..num_slots-1; every tensor floating point;
+    a kv_store of apply_rotary must be a KVStore. Nothing is written when a check fails."""
+    k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    key = value = torch.randn(5, 2, 16)
+    for slots, message in ((torch.ones(5, dtype=torch.bool), "must be int32 or int64; got torch.bool"),
+                           (torch.tensor([0.5, 1.7, 2, 3, 4]), "must be int32 or int64; got torch.float32"),
+                           (torch.tensor([0, 1, 2, 3, 16]), r"slot_mapping\[4\]=16 is outside -1..15"),
+                           (torch.tensor([0, 1, -1, 3, 16]), r"slot_mapping\[4\]=16 is outside -1..15"),
+                           (torch.tensor([0, -2, 1, 2, 3]), r"slot_mapping\[1\]=-2 is outside -1..15")):
+        with pytest.raises(ValueError, match=message):
+            store_kvcache(key, value, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="must be floating point"):
+        store_kvcache(key, value, k_cache.long(), v_cache, torch.arange(5))
+    assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0
+    cache, q, k, _ = _rotary_case(torch.float32, 5, 50, dim=16)
+    with pytest.raises(ValueError, match="kv_store must be a KVStore"):
+        apply_rotary(torch.arange(5), q, k, cache, None, (value, k_cache, v_cache, torch.arange(5)))
+
+
+@eager_only
 @pytest.mark.parametrize("slots", [[9, 0, 19, 4], [9, -1, 0, 19]], ids=["no-padding", "padding"])
 @pytest.mark.parametrize("layout", ["engine", "strided-blocks"])
 def test_store_kvcache_cpu_equals_reference(slots, layout):
@@ -460,7 +481,7 @@ def test_store_kvcache_cpu_equals_reference(slots, layout):
 @eager_only
 def test_store_kvcache_cpu_rejects_a_slot_past_the_cache():
     cache = torch.zeros(2, 4, 1, 8)
-    with pytest.raises(IndexError):
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\]=8 is outside -1..7"):
         store_kvcache(torch.randn(2, 1, 8), torch.randn(2, 1, 8), cache, cache.clone(),
                       torch.tensor([3, 8], dtype=torch.int64))
 

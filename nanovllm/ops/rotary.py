@@ -52,6 +52,9 @@ def _check_args(positions, q, k, cos_sin_cache, qk_norm: QKNorm | None = None,
             raise ValueError(f"qk_norm weights must be [D={q.shape[2]}]; got {tuple(q_weight.shape)} and "
                              f"{tuple(k_weight.shape)}")
     if kv_store is not None:
+        if not isinstance(kv_store, KVStore):
+            raise ValueError(f"kv_store must be a KVStore(value, k_cache, v_cache, slot_mapping); got "
+                             f"{type(kv_store).__name__}")
         check_store_args(k, *kv_store)
 
 
@@ -174,8 +177,8 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
     Raises:
         ValueError: shapes that disagree, an odd head_dim, norm weights that are not ``[D]``, a
-            ``kv_store`` that :func:`nanovllm.ops.store_kvcache` would reject. Positions and slots
-            are not range-checked on the device.
+            ``kv_store`` that is not a :class:`KVStore` or that :func:`nanovllm.ops.store_kvcache`
+            would reject. Positions and slots are not range-checked on the device.
 
     CUDA: one Triton program per token normalises (optionally) and rotates all of its q and k
     heads, and stores its key and value rows. CPU (and strided inputs): :func:`nanovllm.ops.rms_norm`

@@ -27,6 +27,11 @@ def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
         )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64; got {slot_mapping.dtype}")
+    dtypes = (key.dtype, value.dtype, k_cache.dtype, v_cache.dtype)
+    if not all(dtype.is_floating_point for dtype in dtypes):
+        raise ValueError(f"key, value, k_cache and v_cache must be floating point; got {dtypes}")
     check_head_dim(key.shape[2])
 
 
@@ -87,16 +92,19 @@ def store_kvcache(
             ``block_id * block_size + offset``; ``-1`` skips the token (padding).
 
     Raises:
-        ValueError: mismatched shapes, a non-contiguous cache head_dim, or head_dim outside 1..256.
+        ValueError: mismatched shapes, a non-contiguous cache head_dim, head_dim outside 1..256,
+            a slot_mapping that is not int32/int64, tensors that are not floating point; off
+            CUDA, a slot outside -1..num_blocks * block_size - 1.
 
     CUDA tensors use a Triton kernel (one program per token, no host sync, so it is CUDA-graph
     capturable); slots are not range-checked there: a slot >= num_blocks * block_size is
     undefined behaviour. CPU: two ``index_copy_`` into the caches viewed as slot rows when no
-    slot is -1 and the caches' block and offset dimensions merge into one (out-of-range slots
-    raise); otherwise, and on other devices, :func:`store_kvcache_ref`.
+    slot is -1 and the caches' block and offset dimensions merge into one; otherwise, and on
+    other devices, :func:`store_kvcache_ref`.
     """
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
     if not use_triton(key):
+        _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
         if not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping)):
             store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
         return
@@ -113,6 +121,17 @@ def store_kvcache(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1],
     )
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """ValueError naming the first slot outside -1..num_slots-1 (a host sync: CPU paths only)."""
+    if not slot_mapping.numel():
+        return
+    low, high = (int(x) for x in slot_mapping.aminmax())
+    if low < -1 or high >= num_slots:
+        i = int(((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()[0])
+        raise ValueError(f"slot_mapping[{i}]={int(slot_mapping[i])} is outside -1..{num_slots - 1} "
+                         f"(num_blocks * block_size - 1)")
 
 
 def _slot_rows(cache: torch.Tensor) -> torch.Tensor | None:
