@@ -104,8 +104,8 @@ def store_kvcache(
     """
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
     if not use_triton(key):
-        _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-        if not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping)):
+        padded = _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+        if padded or not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping)):
             store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     num_tokens, num_heads, head_dim = key.shape
@@ -123,15 +123,17 @@ def store_kvcache(
     )
 
 
-def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """ValueError naming the first slot outside -1..num_slots-1 (a host sync: CPU paths only)."""
+def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> bool:
+    """ValueError naming the first slot outside -1..num_slots-1 (a host sync: CPU paths only);
+    else whether a slot is -1 (padding)."""
     if not slot_mapping.numel():
-        return
+        return False
     low, high = (int(x) for x in slot_mapping.aminmax())
     if low < -1 or high >= num_slots:
         i = int(((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()[0])
         raise ValueError(f"slot_mapping[{i}]={int(slot_mapping[i])} is outside -1..{num_slots - 1} "
                          f"(num_blocks * block_size - 1)")
+    return low == -1
 
 
 def _slot_rows(cache: torch.Tensor) -> torch.Tensor | None:
@@ -143,10 +145,11 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor | None:
 
 
 def _store_cpu(key, value, k_cache, v_cache, slot_mapping) -> bool:
-    """CPU :func:`store_kvcache` without padding: one ``index_copy_`` per cache (a few ops instead
-    of the reference's masked indexing). False, with nothing written, when it does not apply."""
+    """CPU :func:`store_kvcache` of slots without padding: one ``index_copy_`` per cache (a few
+    ops instead of the reference's masked indexing). False, with nothing written, when the caches'
+    block and offset dimensions do not merge."""
     rows = [_slot_rows(k_cache), _slot_rows(v_cache)]
-    if any(r is None for r in rows) or (slot_mapping.numel() and int(slot_mapping.min()) < 0):
+    if any(r is None for r in rows):
         return False
     slots = slot_mapping.long()
     for dst, src in zip(rows, (key, value)):
