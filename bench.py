@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.tp_worker import torchrun_rank
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from nanovllm.parallel.launch import resolve_launch
+from tools.random_checkpoint import cached_random_checkpoint
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | None = None):
@@ -156,8 +156,7 @@ def main():
     if args.compare_hf:
         result["hf"] = bench_hf(args, prompts, params)
         result["speedup_vs_hf"] = round(result["tok_per_s"] / result["hf"]["tok_per_s"], 2)
-    launch = torchrun_rank()
-    if launch is None or launch.rank == 0:  # under torchrun every rank runs this script
+    if resolve_launch(args.tensor_parallel_size, args.data_parallel_size).rank == 0:  # under torchrun every rank runs this script
         print(json.dumps(result))
 
 

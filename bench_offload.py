@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import SHAPES, cached_random_checkpoint
+from tools.random_checkpoint import SHAPES, cached_random_checkpoint
 
 def sync():
     if torch.cuda.is_available():

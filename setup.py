@@ -6,7 +6,7 @@ when torch is importable at build time, ``torch.utils.cpp_extension.CUDA_HOME`` 
 ``torch.cuda.is_available()`` or ``NANOVLLM_BUILD_CUDA=1`` (a GPU-less build machine);
 ``NANOVLLM_BUILD_CUDA=0`` turns it off. pip's default build isolation hides the installed torch,
 so build it with ``pip install -e . --no-build-isolation``. Without the prebuilt module,
-nanovllm.comm.sgdma compiles the same source on first use (or falls back to torch copies).
+nanovllm.kvcache.memcpy2d compiles the same source on first use (or falls back to torch copies).
 """
 import os
 

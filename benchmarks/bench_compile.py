@@ -35,13 +35,13 @@ SMOLLM2_SHAPE = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
     rope_theta=100000.0, rope_scaling=None)
-"""SmolLM2-135M's config fields over the llama-3.1-8b shape of nanovllm.utils.random_checkpoint."""
+"""SmolLM2-135M's config fields over the llama-3.1-8b shape of tools.random_checkpoint."""
 
 
 def _model_dir(requested: str | None) -> tuple[str, str]:
     """(directory, what it is): ``requested``, else fetched SmolLM2, else a random SmolLM2 shape."""
     from nanovllm.fetch import default_dest, is_complete_model_dir
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    from tools.random_checkpoint import make_random_checkpoint
 
     if requested:
         return requested, "given"

@@ -1,4 +1,4 @@
-"""Benchmark of strided host<->device copies (nanovllm.comm.sgdma); prints one JSON document.
+"""Benchmark of strided host<->device copies (nanovllm.kvcache.memcpy2d); prints one JSON document.
 
 contiguous: torch ``copy_`` of one large pinned tensor, H2D and D2H (the pinned-memory bandwidth).
 layouts: the CPU-offload layout of Llama-3.1-8B keys (32 layers, 8 kv heads, head_dim 128, bf16):
@@ -22,8 +22,8 @@ import statistics
 
 import torch
 
-from nanovllm.comm import sgdma
-from nanovllm.comm.sgdma import _memcpy_2d_torch, memcpy_2d_async
+from nanovllm.kvcache import memcpy2d as sgdma
+from nanovllm.kvcache.memcpy2d import _memcpy_2d_torch, memcpy_2d_async
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import workload
 from benchmarks.profile_decode import category, host_profile, per_unit, timed_phases
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.random_checkpoint import cached_random_checkpoint
 
 
 def random_prompts(seed: int) -> list[list[int]]:

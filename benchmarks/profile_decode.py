@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import sampling_batch
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.random_checkpoint import cached_random_checkpoint
 
 CATEGORIES = (("decode_attention", ("decode",)), ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "cublas")),
               ("sampling", ("race", "softmax", "argmax", "distribution", "gather")),

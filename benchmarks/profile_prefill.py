@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.random_checkpoint import cached_random_checkpoint
 
 BLOCK = 4096
 CATEGORIES = (("gemm", ("gemm", "nvjet", "xmma", "cutlass")), ("attention", ("cudnn", "fmha", "flash", "attn")),

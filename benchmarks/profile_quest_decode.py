@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import model_runner
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.random_checkpoint import cached_random_checkpoint
 
 
 def _busy_ms(events) -> float:

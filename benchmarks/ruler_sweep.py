@@ -39,7 +39,7 @@ from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
 from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK  # noqa: E402
-from nanovllm.utils import ruler  # noqa: E402
+from tools import ruler  # noqa: E402
 
 SETTINGS = {
     "full-gpu": {},

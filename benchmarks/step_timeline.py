@@ -20,7 +20,7 @@ import torch
 from bench import checkpoint_bytes, workload
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.random_checkpoint import cached_random_checkpoint
 
 BATCH_BINS = (1, 16, 64, 128, 192, 257)
 

@@ -14,8 +14,8 @@ import json
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.divergence import first_difference, parting
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.divergence import first_difference, parting
+from tools.random_checkpoint import cached_random_checkpoint
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -6,7 +6,7 @@
 // in the destination. A strided torch copy of that runs at 1-3 GB/s on the H200; one
 // cudaMemcpy2DAsync runs at the pinned-memory bandwidth (~55 GB/s).
 //
-// Python binding (nanovllm/comm/sgdma.py wraps it; use that):
+// Python binding (nanovllm/kvcache/memcpy2d.py wraps it; use that):
 //   memcpy_2d_async(dst, src, dpitch, spitch, width, height, kind, stream)
 //     dst, src  tensors whose data_ptr() is the first byte of the 2D region
 //     dpitch, spitch, width  bytes; height  rows
@@ -201,7 +201,7 @@ int64_t max_pitch(int64_t device) { return max_pitch_cached(static_cast<int>(dev
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "cudaMemcpy2DAsync for strided host<->device copies (nanovllm.comm.sgdma wraps it)";
+  m.doc() = "cudaMemcpy2DAsync for strided host<->device copies (nanovllm.kvcache.memcpy2d wraps it)";
   m.def("memcpy_2d_async", &memcpy_2d_async, py::arg("dst"), py::arg("src"), py::arg("dpitch"),
         py::arg("spitch"), py::arg("width"), py::arg("height"), py::arg("kind"),
         py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),

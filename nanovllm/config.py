@@ -1,15 +1,16 @@
 """Engine configuration, validated at construction."""
 import logging
-import math
 import os
 import warnings
-from numbers import Real
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.sampling_params import SEED_MAX, SEED_MIN, check_bool, is_integer
+from nanovllm.parallel.launch import Launch, resolve_launch
+from nanovllm.sampling_params import SEED_MAX, SEED_MIN
+from nanovllm.sparse import choosing_policy_names, policy_class, registered_policies
+from nanovllm.utils.checks import check_bool, check_range, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +43,6 @@ def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dty
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, 'auto' or None, got {dtype!r}")
-
-
-def _check_range(name: str, value, low, high=None, low_inclusive=True, integer=True):
-    """ValueError naming ``name``, ``value`` and the limit unless low <= value (<= high)."""
-    if integer and not is_integer(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not integer and (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    ok_low = value >= low if low_inclusive else value > low
-    if not ok_low or (high is not None and value > high):
-        if high is None:
-            bound = f">= {low}" if low_inclusive else f"> {low}"
-        else:
-            bound = f"in [{low}, {high}]" if low_inclusive else f"in ({low}, {high}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 _DEPRECATED_NAMES = ("num_gpu_blocks",)
@@ -107,12 +93,12 @@ class Config:
         gpu_memory_utilization: fraction of GPU memory this process may use, in (0, 1].
         tensor_parallel_size: ranks of one replica (>= 1); must divide the head counts.
         data_parallel_size: replicas (>= 1), each of ``tensor_parallel_size`` ranks; ``generate``
-            splits the prompts across them (``nanovllm.engine.data_parallel``). Spawned on this
+            splits the prompts across them (``nanovllm.parallel.data_parallel``). Spawned on this
             host (CUDA: needs ``data_parallel_size * tensor_parallel_size`` GPUs), or under
             torchrun, where WORLD_SIZE must equal ``data_parallel_size * tensor_parallel_size``.
         enforce_eager: disable CUDA graphs for decode.
         async_scheduling: overlap the host's scheduling and input preparation of a step (decode,
-            or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.async_step`` says
+            or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.step_loop`` says
             when it overlaps). None (default): on where it can be, i.e. on CUDA with
             ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
             QUEST, else off; the resolved bool is stored here. True forces it (ValueError where
@@ -122,7 +108,7 @@ class Config:
             (``tests/gpu/test_async_scheduling_gpu.py``, ``docs/benchmarks.md``).
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
-            ``nanovllm.engine.memory``).
+            ``nanovllm.kvcache.sizing``).
         dtype: "float32" | "float16" | "bfloat16" | torch dtype | None or "auto" (the model's on
             GPU, float32 on CPU).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
@@ -196,6 +182,7 @@ class Config:
     sparse_block_size: int = 128
     sparse_chunk_size: int = 16384
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    launch: Launch = field(init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -209,20 +196,20 @@ class Config:
         if not self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=False is not supported: prefix caching is part of nanovllm's "
                              "KV cache (a block is reused only when its tokens and all before them match)")
-        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_range("max_num_seqs", self.max_num_seqs, 1)
-        _check_range("max_model_len", self.max_model_len, 1)
-        _check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False,
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_range("max_num_seqs", self.max_num_seqs, 1)
+        check_range("max_model_len", self.max_model_len, 1)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
-        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_range("data_parallel_size", self.data_parallel_size, 1)
+        check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range("data_parallel_size", self.data_parallel_size, 1)
         block = self.kvcache_block_size
         if not is_integer(block) or block <= 0 or block % BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size must be a positive multiple of "
                              f"{BLOCK_SIZE_MULTIPLE}, got {block!r}")
         if self.num_kvcache_blocks != -1:
-            _check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
-        _check_range("seed", self.seed, SEED_MIN, SEED_MAX)
+            check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        check_range("seed", self.seed, SEED_MIN, SEED_MAX)
         self._check_offload()
         self.device = _resolve_device(self.device)
         self.hf_config = AutoConfig.from_pretrained(self.model)
@@ -232,6 +219,7 @@ class Config:
                            self.max_model_len, self.hf_config.max_position_embeddings,
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
+        self._check_sliding_window()
         self._check_parallel()
         self._check_async_scheduling()
 
@@ -248,51 +236,50 @@ class Config:
             raise ValueError(f"async_scheduling=True does not support {', '.join(blockers)}; "
                              f"use async_scheduling=False or None")
 
-    def _check_offload(self):
-        from nanovllm.kvcache.cache import has_host_tier
-        from nanovllm.sparse import SparsePolicyType
+    def _check_sliding_window(self):
+        """A sliding window is not implemented: a model whose window is shorter than
+        ``max_model_len`` would attend to keys it must not see past the window."""
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window is not None and window < self.max_model_len:
+            arch = (getattr(self.hf_config, "architectures", None) or ["this model"])[0]
+            raise ValueError(f"{arch} has sliding_window={window} < max_model_len={self.max_model_len}: sliding-window "
+                             f"attention is not supported; use max_model_len <= {window}")
 
+    def _check_offload(self):
         if self.num_gpu_blocks is not None:
             warnings.warn("num_gpu_blocks is deprecated and will be removed in the next release: it means the "
                           "host tier's ring slots; use num_ring_slots", DeprecationWarning, stacklevel=5)
-            _check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
+            check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
             self.num_ring_slots, self.num_gpu_blocks = self.num_gpu_blocks, None
-        _check_range("num_ring_slots", self.num_ring_slots, 2)
+        check_range("num_ring_slots", self.num_ring_slots, 2)
         if self.num_cpu_kvcache_blocks != -1:
-            _check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
-            if not has_host_tier(self):
+            check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
+            if not self.enable_cpu_offload:
                 raise ValueError(f"num_cpu_kvcache_blocks={self.num_cpu_kvcache_blocks} sizes the host tier, which "
                                  "needs enable_cpu_offload=True")
-        _check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
+        check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
-        self.sparse_policy = SparsePolicyType.parse(self.sparse_policy)
-        _check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
-        _check_range("sparse_threshold_blocks", self.sparse_threshold_blocks, 0)
+        self.sparse_policy = policy_class(self.sparse_policy).name
+        for policy in registered_policies():  # every policy checks its own options
+            policy.check_options(self)
         if self.num_reuse_cache_blocks != -1:
-            _check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
-        if self.num_reuse_cache_blocks > 0 and not (has_host_tier(self) and
-                                                    self.sparse_policy is SparsePolicyType.QUEST):
+            check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
+        if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
+                                                    policy_class(self.sparse_policy).chooses_decode_blocks):
+            choosers = " or ".join(repr(name) for name in choosing_policy_names())
             raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
-                             f"and sparse_policy='QUEST' (got {self.enable_cpu_offload}, "
-                             f"{self.sparse_policy.value!r}); use -1 or 0")
-        self._check_xattn()
-
-    def _check_xattn(self):
-        from nanovllm.sparse.xattn import check_xattn_params
-
-        check_xattn_params(self.sparse_threshold, self.sparse_stride, self.sparse_block_size,
-                           self.sparse_chunk_size)
+                             f"and sparse_policy={choosers} (got {self.enable_cpu_offload}, "
+                             f"{self.sparse_policy!r}); use -1 or 0")
 
     def _check_parallel(self):
-        from nanovllm.engine.tp_worker import torchrun_rank
-
+        """Resolve the launch (``self.launch``, read once here) and check the parallel sizes."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         ranks = f"tensor_parallel_size={tp}" if dp == 1 else \
             f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp}"
-        launch = torchrun_rank()
-        if launch is not None and launch.world_size != dp * tp:
+        self.launch = launch = resolve_launch(tp, dp)
+        if launch.torchrun and launch.world_size != dp * tp:
             raise ValueError(f"{ranks} must equal the {launch.world_size} processes torchrun started (WORLD_SIZE)")
-        if launch is None and self.device == "cuda" and dp * tp > torch.cuda.device_count():
+        if not launch.torchrun and self.device == "cuda" and dp * tp > torch.cuda.device_count():
             raise ValueError(f"{ranks} ranks need as many GPUs on this host, found {torch.cuda.device_count()}")
         cfg = self.hf_config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -305,13 +292,10 @@ class Config:
 
 def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
-    as in the ValueError: tensor parallelism, the host KV tier, QUEST (its decode steps run eagerly
-    and each step's start records the previous step's picks on the host, which the one-step-ahead
-    loop was not built around)."""
-    from nanovllm.kvcache.cache import has_host_tier
-    from nanovllm.sparse import SparsePolicyType
-
+    as in the ValueError: tensor parallelism, the host KV tier, a policy that chooses decode blocks
+    (its decode steps run eagerly and each step's start records the previous step's picks on the
+    host, which the one-step-ahead loop was not built around)."""
     return [name for name, on in (
         (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        ("enable_cpu_offload=True", has_host_tier(config)),
-        ("sparse_policy='QUEST'", config.sparse_policy is SparsePolicyType.QUEST)) if on]
+        ("enable_cpu_offload=True", config.enable_cpu_offload),
+        (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_blocks)) if on]

@@ -1,6 +1,6 @@
 """vLLM's prompt types (``vllm.inputs``), so that ``from vllm.inputs import TokensPrompt`` ports by
 changing the package name. They are plain dicts at run time; ``LLM.generate`` checks them
-(``nanovllm.engine.inputs``)."""
+(``nanovllm.engine.prompts``)."""
 from typing import TypedDict
 
 

@@ -1,15 +1,13 @@
 """Per-request sampling parameters, with vLLM's names, defaults and meanings."""
 import math
 from dataclasses import dataclass, field, fields
-from numbers import Integral, Real
+from numbers import Real
+
+from nanovllm.utils.checks import check_bool, is_integer
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
-
-
-def is_integer(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value, low: int, limit: str):
@@ -20,12 +18,6 @@ def _check_int(name: str, value, low: int, limit: str):
 def _check_number(name: str, value, limit: str):
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number {limit}, got {value!r}")
-
-
-def check_bool(name: str, value):
-    """ValueError naming ``name`` and ``value`` unless it is True or False (not 0, 1 or "no")."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_logprobs(name: str, value):

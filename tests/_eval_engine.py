@@ -72,12 +72,12 @@ class EngineSettings:
         """The sparse options (XATTN_BSA applies without offload too)."""
         import math
 
-        from nanovllm.sparse import SparsePolicyType
+        from nanovllm.sparse import policy_class, policy_names
 
         try:
-            SparsePolicyType.parse(self.sparse_policy)
+            policy_class(self.sparse_policy)
         except ValueError:
-            raise ValueError(f"sparse-policy must be one of {[m.value for m in SparsePolicyType]}, "
+            raise ValueError(f"sparse-policy must be one of {policy_names()}, "
                              f"got {self.sparse_policy!r}") from None
         if self.sparse_topk_blocks < 1:
             raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")

@@ -1,4 +1,4 @@
-"""Async scheduling (``nanovllm.engine.async_step``) gives the synchronous loop's outputs.
+"""Async scheduling (``nanovllm.engine.step_loop``) gives the synchronous loop's outputs.
 
 Two engines on the same checkpoint, ``async_scheduling`` forced on and off (on CPU the overlap
 changes no timing but runs the same code path), get the same batches; their RequestOutputs
@@ -214,7 +214,7 @@ def test_penalties_read_a_placeholder_token_on_the_device():
     import torch
 
     from nanovllm.engine.sampling_batch import sampling_tensors
-    from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+    from nanovllm.sequence import PLACEHOLDER_TOKEN, Sequence
 
     params = SamplingParams(temperature=0.0, presence_penalty=1.0, repetition_penalty=1.2)
 
@@ -233,7 +233,7 @@ def test_penalties_read_a_placeholder_token_on_the_device():
 
 def test_blocks_placed_ahead_drop_no_cached_prefix():
     """``can_place_blank``: only free blocks without a registered prefix may be placed ahead."""
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sequence import Sequence
     from nanovllm.kvcache.block_manager import BlockManager
 
     manager = BlockManager(num_gpu_blocks=3, block_size=256)

@@ -1,8 +1,8 @@
-"""nanovllm.utils.divergence: where two greedy runs part and the logits there."""
+"""tools.divergence: where two greedy runs part and the logits there."""
 import pytest
 
 from _util import build_llm, greedy, random_prompt
-from nanovllm.utils.divergence import first_difference, parting
+from tools.divergence import first_difference, parting
 
 
 def test_first_difference():

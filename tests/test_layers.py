@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import cpu_gemm
-from nanovllm.layers.cpu_gemm import PackedWeight
+from nanovllm.ops import cpu_gemm
+from nanovllm.ops.cpu_gemm import PackedWeight
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 

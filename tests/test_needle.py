@@ -3,7 +3,7 @@
 
 Both a pytest module and a command-line tool; they share :func:`run_needle`.
 
-The prompt is :func:`nanovllm.utils.passkey.build_passkey_prompt`: the classic filler ("The
+The prompt is :func:`tools.passkey.build_passkey_prompt`: the classic filler ("The
 grass is green. ..."), the needle "The pass key is N. Remember it. N is the pass key." at the
 requested depth, then "What is the pass key? Reply with the number only.", all one user message
 chat-templated with the model's tokenizer, exactly ``input_len`` tokens long. The run passes when
@@ -42,7 +42,7 @@ import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm, tier_moves,
                           resolve_model_dir, sparse_stats_text)
 
-from nanovllm.utils.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
+from tools.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
 
 DEFAULT_NEEDLE = 58213
 

@@ -3,7 +3,7 @@ import pytest
 
 import nanovllm.kvcache.block_manager as block_manager_module
 from nanovllm import SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.kvcache.block_manager import BlockManager
 
 from _util import StepRecorder, build_llm, greedy, random_prompt, run_requests

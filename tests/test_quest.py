@@ -8,7 +8,7 @@ import torch
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, greedy, random_prompt
 from nanovllm.sparse.quest import QUEST_PAGE_SIZE, QuestPolicy
-from nanovllm.sparse.quest_scores import (block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds,
+from nanovllm.ops.quest_scores import (block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds,
                                           select_top_blocks, top_blocks, top_blocks_ref)
 
 

@@ -132,7 +132,7 @@ def _decode(attention, policy, tables, scripts, layout, kv, host, gen, reuse=Non
     of ``spills[step]`` is rewritten before that step (a spill). Asserts every layer's output is
     the former path's, bit for bit (or within ``atol``)."""
     from nanovllm.kvcache.selection import DecodeSelection
-    from nanovllm.utils.context import Context, reset_context, set_context
+    from nanovllm.kvcache.context import Context, reset_context, set_context
 
     for step, script in enumerate(scripts):
         attention.flush()  # KVCache.begin_step
@@ -162,7 +162,7 @@ def _decode(attention, policy, tables, scripts, layout, kv, host, gen, reuse=Non
 
 def _tiers(gpu_blocks, reuse_rows, staging_rows, host_blocks=8):
     from nanovllm.kvcache.host_tier import HostTier
-    from nanovllm.kvcache.pipeline import TieredAttention
+    from nanovllm.kvcache.tiered_attention import TieredAttention
     from nanovllm.sparse import SparseStats
 
     gen = torch.Generator().manual_seed(0)

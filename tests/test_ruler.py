@@ -3,12 +3,12 @@
 
 Both a pytest module and a command-line tool; they share :func:`run_ruler`.
 
-The prompts come from :func:`nanovllm.utils.ruler.generate_samples` (needle-in-a-haystack with
+The prompts come from :func:`tools.ruler.generate_samples` (needle-in-a-haystack with
 numbers, words and UUIDs, multi-key needles in essay filler or in a haystack of distractor
 needles, multi-value / multi-query needles, variable tracking,
 common-words and frequent-words extraction), each exactly ``--input-len`` tokens with the model's
 chat template. Every task's samples go through ``LLM.generate`` greedily in one call, and each
-output is scored with RULER's metric (:func:`nanovllm.utils.ruler.score`: the fraction of the
+output is scored with RULER's metric (:func:`tools.ruler.score`: the fraction of the
 reference strings contained in the output).
 
 Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
@@ -43,7 +43,7 @@ import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
                           resolve_model_dir, sparse_stats_text)
 
-from nanovllm.utils import ruler
+from tools import ruler
 
 
 # ---- settings and validation -----------------------------------------------------------

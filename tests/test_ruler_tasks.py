@@ -1,4 +1,4 @@
-"""The RULER generator (:mod:`nanovllm.utils.ruler`) with the SmolLM2 tokenizer: exact lengths
+"""The RULER generator (:mod:`tools.ruler`) with the SmolLM2 tokenizer: exact lengths
 of every task at 500 and 2000 tokens, answers where each task puts them, the needle haystack of
 the multi-key tasks, determinism by seed, aliases, errors and RULER's scoring. The evaluation
 tool itself (CLI, end-to-end run) is tested in test_ruler.py."""
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from nanovllm.utils import ruler
+from tools import ruler
 
 UNIT_LENGTHS = (500, 2000)
 

@@ -3,7 +3,7 @@ import pytest
 
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import longest_first
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 
 from _util import StepRecorder, build_llm, greedy, random_prompt, run_requests, token_ids
 
@@ -172,7 +172,7 @@ def test_sequence_pickles_as_its_step_for_workers():
     build its inputs, nothing of the history (a decode step of a long sequence stays small)."""
     import pickle
 
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sequence import Sequence
 
     seq = Sequence(list(range(10, 1010)), SamplingParams(temperature=0.5), 256)
     seq.block_table, seq.host_block_table, seq.num_cached_tokens = [7, -1, 9, 4], [-1, 5, -1, -1], 256
@@ -200,7 +200,7 @@ def test_sequence_pickles_as_its_step_for_workers():
 def test_may_stop_on_token_follows_check_stop(kwargs, eos, expected):
     """Whether a prefill's first sampled token could end the sequence by its value (what the
     prefill scheduled ahead must rule out), against check_stop's rules."""
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sequence import Sequence
     from nanovllm.engine.stopping import IncrementalDetokenizer, may_stop_on_token
 
     params = SamplingParams(max_tokens=8, **kwargs)

@@ -1,4 +1,4 @@
-"""CPU tests of nanovllm.comm.sgdma.memcpy_2d_async (the torch fallback that CPU-only copies use):
+"""CPU tests of nanovllm.kvcache.memcpy2d.memcpy_2d_async (the torch fallback that CPU-only copies use):
 layer-strided layouts of the offload engine in both directions, byte-exact against a numpy
 reference, and argument errors that name the numbers."""
 import ctypes
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.comm import sgdma
-from nanovllm.comm.sgdma import memcpy_2d_async
+from nanovllm.kvcache import memcpy2d as sgdma
+from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 
 
 def _random_bytes(shape, seed, dtype=torch.uint8):
@@ -201,7 +201,7 @@ def test_loader_jit_build_success_is_used_and_logged(fresh_loader, caplog):
     fake = object()
     fresh_loader.setattr(torch.cuda, "is_available", lambda: True)
     fresh_loader.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or fake)
-    with caplog.at_level("INFO", logger="nanovllm.comm.sgdma"):
+    with caplog.at_level("INFO", logger="nanovllm.kvcache.memcpy2d"):
         assert sgdma.backend() == "jit" and sgdma.is_accelerated()
     assert sgdma._module is fake and len(calls) == 1
     assert calls[0]["name"] == "nanovllm_sgdma" and calls[0]["with_cuda"] is True
@@ -219,7 +219,7 @@ def test_loader_falls_back_to_torch_when_the_jit_build_fails(fresh_loader, caplo
 
     fresh_loader.setattr(torch.cuda, "is_available", lambda: True)
     fresh_loader.setattr(cpp_extension, "load", broken)
-    with caplog.at_level("WARNING", logger="nanovllm.comm.sgdma"):
+    with caplog.at_level("WARNING", logger="nanovllm.kvcache.memcpy2d"):
         assert sgdma.backend() == "torch" and not sgdma.is_accelerated()
     assert "nvcc exploded" in sgdma._load_error
     assert any("nvcc exploded" in r.message for r in caplog.records)

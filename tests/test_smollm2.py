@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanovllm.fetch import fetch_model
-from nanovllm.utils.passkey import build_passkey_prompt, chat_prompt_ids
+from tools.passkey import build_passkey_prompt, chat_prompt_ids
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT_PROMPTS = [

@@ -192,7 +192,7 @@ def test_tensor_parallel_2_with_host_tier_equals_1(llama_tied_dir):
 
 # ---------------------------------------------------------------- block manager, unit level
 def _seq(n, seed):
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sequence import Sequence
     from nanovllm.sampling_params import SamplingParams
 
     return Sequence(random_prompt(n, seed=seed), SamplingParams(temperature=0.0), BLOCK)
@@ -239,7 +239,7 @@ def test_spill_moves_a_shared_block_for_every_sharer_and_keeps_its_registration(
     bm = BlockManager(6, BLOCK, num_host_blocks=8)
     a = _seq(3 * BLOCK, 3)
     _prefill(bm, a)
-    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sequence import Sequence
 
     b = Sequence(a.token_ids[:2 * BLOCK] + [5] * 10, a.sampling_params, BLOCK)
     bm.allocate(b)
@@ -276,7 +276,7 @@ HEADS_Q, HEADS_KV, DIM, LAYERS = 4, 2, 32, 2
 
 def _pipeline(num_gpu_blocks=6, num_host_blocks=6, slots=2, policy=None):
     from nanovllm.kvcache.host_tier import HostTier
-    from nanovllm.kvcache.pipeline import TieredAttention
+    from nanovllm.kvcache.tiered_attention import TieredAttention
     from nanovllm.kvcache.tier_rows import TierRows
     from nanovllm.sparse import FullAttentionPolicy, SparseStats
 
@@ -300,7 +300,7 @@ def _full_context(kv, host, layer, gpu_table, host_table, n):
 
 def test_decode_over_both_tiers_equals_the_reference():
     from nanovllm.ops import decode_attention_ref
-    from nanovllm.utils.context import Context, reset_context, set_context
+    from nanovllm.kvcache.context import Context, reset_context, set_context
 
     attention, kv, host = _pipeline()
     tables = [([0, -1, -1, 2], [-1, 3, 0, -1], 3 * BLOCK + 7), ([1, -1, 4], [-1, 5, -1], 2 * BLOCK + 100),
@@ -331,7 +331,7 @@ def test_decode_over_both_tiers_equals_the_reference():
 
 def test_prefill_gathers_a_prefix_from_both_tiers():
     from nanovllm.ops import prefill_attention_ref
-    from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
+    from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
 
     attention, kv, host = _pipeline()
     gpus, hosts, prefix, new = [0, -1, 3], [-1, 2, -1], 2 * BLOCK + 30, 50  # chunk continues block 2

@@ -6,7 +6,7 @@ Captured sizes are 1, 2, 4, 8 and every multiple of 16 up to ``max_num_seqs`` (a
 """
 import torch
 
-from nanovllm.utils.context import Context, get_context, reset_context, set_context
+from nanovllm.kvcache.context import Context, get_context, reset_context, set_context
 
 
 def captured_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -8,18 +8,18 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config, check_engine_args
-from nanovllm.engine import data_parallel, ranks
-from nanovllm.engine.async_step import StepLoop
-from nanovllm.engine.data_parallel import ReplicaPool, replica_config, torchrun_replicas
-from nanovllm.engine.inputs import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts, template_kwargs
+from nanovllm.parallel import data_parallel, ranks
+from nanovllm.engine.step_loop import StepLoop
+from nanovllm.parallel.data_parallel import ReplicaPool, replica_config, torchrun_replicas
+from nanovllm.engine.prompts import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts, template_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
 from nanovllm.engine.request_checks import RequestChecker
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.engine.stopping import IncrementalDetokenizer
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
-from nanovllm.engine.tp_worker import check_same_calls, torchrun_rank
+from nanovllm.parallel.process_group import check_same_calls
 from nanovllm.hub import resolve_model
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.outputs import RequestOutput
@@ -38,7 +38,7 @@ class LLMEngine:
     the other ranks on this host. Under torchrun every rank builds its own engine with the same
     arguments and must make the same calls; ``generate`` returns the same outputs on every rank.
     With ``data_parallel_size > 1`` this engine is one of the replicas that share every
-    ``generate`` (``nanovllm.engine.data_parallel``): replica 0, which starts the others on this
+    ``generate`` (``nanovllm.parallel.data_parallel``): replica 0, which starts the others on this
     host, or under torchrun the replica of this rank.
     """
 
@@ -65,18 +65,18 @@ class LLMEngine:
         self.config, self.tokenizer = config, tokenizer
         self._outputs = OutputBuilder(tokenizer)
         self._workers, self._generators, self._replicas = [], {}, None
-        launch = torchrun_rank()
-        if launch is not None:
+        launch = config.launch
+        if launch.torchrun:
             self.rank = launch.rank
-            replica, tp_rank = divmod(launch.rank, config.tensor_parallel_size)
             self._replicas = torchrun_replicas(config, launch)
-            self.model_runner = ModelRunner(replica_config(config, replica), tp_rank, local_rank=launch.local_rank)
+            self.model_runner = ModelRunner(replica_config(config, launch.replica), launch.tp_rank,
+                                            local_rank=launch.local_rank)
         else:
             self.rank, replica = 0, spawned_replica or 0
             if spawned_replica is None and config.data_parallel_size > 1:
                 self._replicas = ReplicaPool(config, _replica_main)
             try:
-                self.model_runner = ranks.spawn_ranks(replica_config(config, replica),
+                self.model_runner = ranks.spawn_ranks(ModelRunner, replica_config(config, replica),
                                                       replica * config.tensor_parallel_size, self._workers)
             except BaseException:
                 if self._replicas is not None:
@@ -124,7 +124,7 @@ class LLMEngine:
         """torchrun: the ranks' arguments must agree (checked before anything can raise on one
         rank only, which would leave the others waiting in a collective): over every rank of
         every replica with data parallelism, else over the tensor-parallel ranks."""
-        if torchrun_rank() is None:
+        if not self.config.launch.torchrun:
             return
         payload = repr((_as_lists(prompts), sampling_params)).encode()
         if self._replicas is not None:
@@ -168,7 +168,7 @@ class LLMEngine:
         """Run one scheduled step. Returns the sequences finished in it and the number of
         tokens processed (positive for a prefill step, negative for decode, as nano-vLLM).
         With ``async_scheduling`` a decode step is launched and its sequences are returned by the
-        next call, when they are found finished (``nanovllm.engine.async_step``); call
+        next call, when they are found finished (``nanovllm.engine.step_loop``); call
         :meth:`step` until :meth:`is_finished`.
 
         Raises:
@@ -343,7 +343,7 @@ class LLMEngine:
         self._check_open()
         cache = self.model_runner.cache
         counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.policy.chooses_decode_blocks)
-        stats = {"policy": self.config.sparse_policy.value, **counts}
+        stats = {"policy": self.config.sparse_policy, **counts}
         if self._replicas is None:
             return stats
         return data_parallel.sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))

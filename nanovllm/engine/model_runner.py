@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine import memory
+from nanovllm.kvcache import sizing
 from nanovllm.engine.cuda_graphs import DecodeGraphs, captured_batch_sizes
 from nanovllm.engine.sampling_batch import LogitRows, SampledStep, StepSampler
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_worker import (RankChannel, destroy_process_group, init_process_group, join,
-                                       torchrun_rank)
+from nanovllm.sequence import Sequence
+from nanovllm.parallel.channel import RankChannel
+from nanovllm.parallel.process_group import destroy_process_group, init_process_group
+from nanovllm.parallel.ranks import join
 from nanovllm.kvcache.cache import KVCache
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
-from nanovllm.utils.context import Context, get_context, reset_context, set_context
-from nanovllm.utils.loader import load_model
+from nanovllm.kvcache.context import Context, get_context, reset_context, set_context
+from nanovllm.models.loader import load_model
 from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,7 @@ class ModelRunner:
                  port: int = 0, local_rank: int | None = None, store=None):
         self.config = config
         self.rank, self.world_size = rank, config.tensor_parallel_size
-        launch = torchrun_rank()
-        self.ranks_on_host = launch.local_world_size if launch else self.world_size * config.data_parallel_size
+        self.ranks_on_host = config.launch.local_world_size
         device_index = rank if local_rank is None else local_rank
         self.device = torch.device("cuda", device_index) if config.device == "cuda" else torch.device("cpu")
         if config.device == "cuda":
@@ -50,7 +50,7 @@ class ModelRunner:
         if self.world_size > 1:
             if channel_name and rank > 0:
                 store = join(port, rank, self.world_size)
-            init_process_group(config.device, rank, self.world_size, store)
+            init_process_group(config.device, rank, self.world_size, store, config.launch)
         self.channel = self.cache = self.graphs = None
         try:
             self.model = self._build_model()
@@ -110,14 +110,14 @@ class ModelRunner:
             reset_context()
         torch.cuda.empty_cache()
 
-    def _tier_sizes(self) -> memory.TierSizes:
+    def _tier_sizes(self) -> sizing.TierSizes:
         cfg, cache, geometry = self.config, self.cache, self.cache.geometry
         host = self._smallest_over_ranks(cache.host_blocks(self.ranks_on_host))
-        gpu = self._smallest_over_ranks(memory.gpu_blocks(
+        gpu = self._smallest_over_ranks(sizing.gpu_blocks(
             cfg, geometry, self.device, host, cache.reserved_bytes(host), cache.metadata_bytes_per_block(),
             self.ranks_on_host))
-        sizes = memory.TierSizes(gpu, host)
-        memory.check_capacity(cfg, geometry, sizes)
+        sizes = sizing.TierSizes(gpu, host)
+        sizing.check_capacity(cfg, geometry, sizes)
         return sizes
 
     def _smallest_over_ranks(self, value: int) -> int:
@@ -160,7 +160,7 @@ class ModelRunner:
             self.channel.close()
             self.channel = None
         if self.world_size > 1:
-            destroy_process_group()
+            destroy_process_group(self.config.launch)
 
     # ---- running -----------------------------------------------------------------------
     @torch.inference_mode()

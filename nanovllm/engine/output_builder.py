@@ -1,5 +1,5 @@
 """Finished sequences -> vLLM's :class:`RequestOutput`: text, logprob dicts with decoded tokens."""
-from nanovllm.engine.sequence import LogprobEntry, Sequence
+from nanovllm.sequence import LogprobEntry, Sequence
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -1,8 +1,9 @@
 """Everything a request is checked against before it is queued, so that a bad request raises at
 once and the engine keeps serving the others: prompts (tokenized here) against the vocabulary,
 ``max_model_len`` and the KV cache's capacity, SamplingParams against the vocabulary."""
-from nanovllm.engine.inputs import Prompt
-from nanovllm.sampling_params import SamplingParams, is_integer
+from nanovllm.engine.prompts import Prompt
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.checks import is_integer
 
 
 class RequestChecker:

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, LogprobEntry, Sequence
+from nanovllm.sequence import PLACEHOLDER_TOKEN, LogprobEntry, Sequence
 from nanovllm.layers.sampler import (FLOAT32_MAX, LogprobsTensors, Penalties, Sampler, SamplerOutput,
                                      SamplingTensors, compute_logprobs)
 from nanovllm.sampling_params import SamplingParams

@@ -3,7 +3,7 @@ import logging
 from collections import deque
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.stopping import check_stop, may_stop_on_token, reaches_length_limit
 from nanovllm.kvcache.block_manager import BlockManager
 
@@ -32,7 +32,7 @@ class Scheduler:
 
     With async scheduling, :meth:`schedule_decode_ahead` and :meth:`schedule_prefill_ahead`
     schedule the step after one still running on the device, before its tokens are known
-    (``nanovllm.engine.async_step``).
+    (``nanovllm.engine.step_loop``).
     """
 
     def __init__(self, config: Config, block_manager: BlockManager):

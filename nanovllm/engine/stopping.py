@@ -2,7 +2,7 @@
 ``max_model_len``), then, once ``min_tokens`` are generated, an eos id or a stop token id, and
 stop strings found in the incrementally detokenized text (a stop string ends the request even on
 its last token, and may span several tokens)."""
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.kvcache.placement import ColdestFirst
 
 NO_BLOCK = -1

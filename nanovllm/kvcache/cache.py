@@ -22,26 +22,20 @@ import logging
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine import memory
-from nanovllm.engine.memory import KVGeometry, TierSizes
-from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache import sizing
+from nanovllm.kvcache.sizing import KVGeometry, TierSizes
+from nanovllm.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.host_tier import HostTier
-from nanovllm.kvcache.pipeline import TieredAttention
+from nanovllm.kvcache.tiered_attention import TieredAttention
 from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
 from nanovllm.kvcache.tier_rows import TierRows, staging_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.sparse import SparseStats, create_policy
-from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
+from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
 from nanovllm.utils.tensors import padded_rows, to_device
 
 logger = logging.getLogger(__name__)
-
-
-def has_host_tier(config) -> bool:
-    """The KV mode, decided in this one place (for the cache and for ``Config``'s checks of the
-    options that depend on it): a host tier beside the GPU tier when ``enable_cpu_offload`` is on."""
-    return config.enable_cpu_offload
 
 
 class KVCache:
@@ -55,7 +49,7 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
                                    config.dtype)
         self.policy = create_policy(config, layer.scale)
-        self.tiered = has_host_tier(config)
+        self.tiered = config.enable_cpu_offload
         picks_from_host = self.tiered and self.policy.chooses_decode_blocks
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
@@ -79,8 +73,8 @@ class KVCache:
         return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
 
     def host_blocks(self, ranks_on_host: int) -> int:
-        """Host-tier blocks of this rank (``memory.host_blocks``); 0 without the host tier."""
-        return memory.host_blocks(self.config, self.geometry, ranks_on_host) if self.tiered else 0
+        """Host-tier blocks of this rank (``sizing.host_blocks``); 0 without the host tier."""
+        return sizing.host_blocks(self.config, self.geometry, ranks_on_host) if self.tiered else 0
 
     def reserved_bytes(self, num_host_blocks: int) -> int:
         """Device bytes the cache needs besides its GPU blocks: ring slots, host-block metadata,
@@ -131,7 +125,7 @@ class KVCache:
         logger.info("KV cache: %s; %d-token blocks of %d layers in %s%s", ", ".join(
             f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
             for name, n in tiers), g.block_size, g.num_layers, g.dtype,
-            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy.value}, "
+            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
             f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
             if self.host else "")

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from nanovllm.comm.sgdma import memcpy_2d_async
+from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 from nanovllm.ops import gather_host_blocks
 
 

@@ -33,6 +33,8 @@ the cache first records the pending step, so blocks it placed are forgotten too)
 """
 from collections import OrderedDict
 
+from nanovllm.sparse import policy_class
+
 
 DEFAULT_ROWS_PER_PICK = 2
 """Default reuse-cache rows per layer for each of a sequence's decode picks (``sparse_topk_blocks``).
@@ -49,9 +51,10 @@ loaded (docs/kvcache.md)."""
 def reuse_cache_rows(config) -> int:
     """Rows per layer of the reuse cache of a cache with a host tier and a policy that chooses
     decode blocks (``KVCache`` decides whether it has one): ``config.num_reuse_cache_blocks``, by
-    default (-1) :data:`DEFAULT_ROWS_PER_PICK` x ``config.sparse_topk_blocks``."""
+    default (-1) :data:`DEFAULT_ROWS_PER_PICK` x the policy's most picks per sequence and layer
+    (:meth:`~nanovllm.sparse.SparsePolicy.decode_pick_limit`)."""
     if config.num_reuse_cache_blocks == -1:
-        return DEFAULT_ROWS_PER_PICK * config.sparse_topk_blocks
+        return DEFAULT_ROWS_PER_PICK * policy_class(config.sparse_policy).decode_pick_limit(config)
     return config.num_reuse_cache_blocks
 
 

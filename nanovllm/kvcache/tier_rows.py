@@ -12,18 +12,21 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.sparse import policy_class
+
 STAGING_SEQS = 8
 """Sequences whose picks the staging rows hold at once: ``sparse_topk_blocks`` rows each."""
 
 
 def staging_rows(config) -> int:
     """Staging rows (shared by all layers) of a cache with a host tier and a policy that chooses
-    decode blocks: ``sparse_topk_blocks`` per sequence for up to :data:`STAGING_SEQS` sequences
-    (``max_num_seqs`` if fewer). One layer of one block each, so 8 sequences of top-k 4 cost 32
+    decode blocks: the policy's most picks per sequence and layer
+    (:meth:`~nanovllm.sparse.SparsePolicy.decode_pick_limit`) for up to :data:`STAGING_SEQS`
+    sequences (``max_num_seqs`` if fewer). One layer of one block each, so 8 sequences of top-k 4 cost 32
     layer blocks (512 MiB at Llama-3.1-8B's 4,096-token blocks, beside 64 GiB of its GPU tier). A
     step whose picks could miss more than the victim and staging rows hold reads its sequences in
     groups (``selection.py``)."""
-    return config.sparse_topk_blocks * min(config.max_num_seqs, STAGING_SEQS)
+    return policy_class(config.sparse_policy).decode_pick_limit(config) * min(config.max_num_seqs, STAGING_SEQS)
 
 
 class TierRows(NamedTuple):

@@ -15,7 +15,7 @@ class Attention(nn.Module):
 
     The model runner binds the rank's :class:`nanovllm.kvcache.cache.KVCache` (``kv_cache``) and
     this layer's index (``layer_id``); the cache stores k, v and attends over both of its tiers as
-    the current step's context says (``nanovllm.utils.context``).
+    the current step's context says (``nanovllm.kvcache.context``).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):

@@ -4,9 +4,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.cpu_gemm import PackedWeight
+from nanovllm.ops.cpu_gemm import PackedWeight
 from nanovllm.layers.linear import linear_float32_out
-from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.parallel.process_group import tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,7 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     a step of 1/32 at logit 5) ties or swaps the top candidates of a large vocabulary often
     enough to change greedy tokens (about 6% of positions of a random-weight 128K-vocab model).
     A float32 CPU head multiplies through a oneDNN-packed copy of its weight, kept beside the
-    plain one, which a tied embedding reads (:mod:`nanovllm.layers.cpu_gemm`).
+    plain one, which a tied embedding reads (:mod:`nanovllm.ops.cpu_gemm`).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int):

@@ -2,15 +2,15 @@
 
 Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
 rank's slice of a full checkpoint tensor into it; the loader calls it. float32 CPU layers run
-their GEMM through a oneDNN-packed copy of the weight (:mod:`nanovllm.layers.cpu_gemm`).
+their GEMM through a oneDNN-packed copy of the weight (:mod:`nanovllm.ops.cpu_gemm`).
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.cpu_gemm import PackedWeight
-from nanovllm.utils.distributed import tp_rank, tp_size
+from nanovllm.ops.cpu_gemm import PackedWeight
+from nanovllm.parallel.process_group import tp_rank, tp_size
 
 
 def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

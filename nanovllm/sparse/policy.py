@@ -1,6 +1,6 @@
 """The sparse-policy interface: a policy chooses what attention reads, nothing else.
 
-The attention pipeline (``nanovllm/kvcache/pipeline.py``) asks the engine's policy two questions:
+The attention pipeline (``nanovllm/kvcache/tiered_attention.py``) asks the engine's policy two questions:
 
 - **prefill**: :meth:`SparsePolicy.prefill_mask`, a block-sparse mask over a sequence's chunk of
   queries and its whole context (None: dense);
@@ -18,25 +18,53 @@ indexed by *metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block 
 ``num_gpu_blocks + h``. A policy never copies KV, never touches streams, ring slots or statistics.
 """
 from dataclasses import dataclass
-from enum import Enum
+from typing import ClassVar
 
 import torch
 
+_POLICIES: dict[str, type["SparsePolicy"]] = {}
 
-class SparsePolicyType(Enum):
-    FULL = "FULL"
-    QUEST = "QUEST"
-    XATTN_BSA = "XATTN_BSA"
 
-    @classmethod
-    def parse(cls, value) -> "SparsePolicyType":
-        """From a member or its name (case-insensitive). Raises ValueError naming the choices."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise ValueError(f"sparse_policy must be one of {[m.value for m in cls]}, got {value!r}") from None
+def register_policy(cls: type["SparsePolicy"]) -> type["SparsePolicy"]:
+    """Class decorator: ``sparse_policy=cls.name`` (any case) selects ``cls``."""
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def registered_policies() -> list[type["SparsePolicy"]]:
+    """Every registered policy class, in registration order."""
+    return list(_POLICIES.values())
+
+
+def policy_names() -> list[str]:
+    """The ``sparse_policy`` values accepted, in registration order."""
+    return list(_POLICIES)
+
+
+def choosing_policy_names() -> list[str]:
+    """The policies that choose decode blocks (:attr:`SparsePolicy.chooses_decode_blocks`)."""
+    return [name for name, cls in _POLICIES.items() if cls.chooses_decode_blocks]
+
+
+def policy_class(name) -> type["SparsePolicy"]:
+    """The policy registered as ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: no such policy, naming the choices.
+    """
+    cls = _POLICIES.get(str(name).upper())
+    if cls is None:
+        raise ValueError(f"sparse_policy must be one of {policy_names()}, got {name!r}")
+    return cls
+
+
+def create_policy(config, scale: float) -> "SparsePolicy":
+    """The policy ``config.sparse_policy`` names, with its options from ``config``.
+
+    Raises:
+        ValueError: bad policy options.
+    """
+    return policy_class(config.sparse_policy).from_config(config, scale)
 
 
 @dataclass
@@ -58,12 +86,17 @@ class DecodeBlocks:
 
 
 class SparsePolicy:
-    """FULL's behaviour (every block, dense prefill); subclasses override what they choose.
+    """FULL's behaviour (every block, dense prefill); subclasses override what they choose and
+    declare it in the class attributes below, which the engine reads (never a policy's name).
 
     Args:
         scale: the attention's softmax scale (for policies that score with it).
     """
 
+    name: ClassVar[str]
+    """The ``sparse_policy`` value that selects the policy (upper case; :func:`register_policy`)."""
+    options: ClassVar[tuple[str, ...]] = ()
+    """The engine options (``Config`` fields) the policy reads."""
     dense_prefill = True
     """Prefill attends to every causally visible key (compute density 1.0, not counted)."""
     prefill_block_size: int | None = None
@@ -75,6 +108,22 @@ class SparsePolicy:
 
     def __init__(self, scale: float):
         self.scale = scale
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        """Raise ValueError naming the option, the value and the limit for a bad value of one of
+        :attr:`options` in ``config``."""
+
+    @classmethod
+    def from_config(cls, config, scale: float) -> "SparsePolicy":
+        """The policy with its :attr:`options` from ``config``."""
+        return cls(scale)
+
+    @classmethod
+    def decode_pick_limit(cls, config) -> int | None:
+        """The most candidate blocks :meth:`select_decode_blocks` picks per sequence and layer under
+        ``config`` (sizes the rows that hold picked host blocks); None: every candidate."""
+        return None
 
     # ---- metadata hooks ----------------------------------------------------------------
     def metadata_bytes_per_block(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -17,14 +17,16 @@ over heads) are all-reduced (sum) so that every rank selects the blocks TP=1 wou
 import torch
 import torch.distributed as dist
 
-from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy
-from nanovllm.sparse.quest_scores import block_scores, quest_bounds, select_top_blocks, top_blocks
-from nanovllm.utils.distributed import tp_size
+from nanovllm.ops.quest_scores import block_scores, quest_bounds, select_top_blocks, top_blocks
+from nanovllm.parallel.process_group import tp_size
+from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy, register_policy
+from nanovllm.utils.checks import check_range
 
 QUEST_PAGE_SIZE = 16
 """Tokens per page of key bounds (Quest's default page size)."""
 
 
+@register_policy
 class QuestPolicy(SparsePolicy):
     """Args: scale; topk_blocks (>= 1, besides the first and the two last blocks); threshold_blocks
     (select only when more blocks than this are available).
@@ -33,14 +35,27 @@ class QuestPolicy(SparsePolicy):
         ValueError: topk_blocks < 1 or threshold_blocks < 0.
     """
 
+    name = "QUEST"
+    options = ("sparse_topk_blocks", "sparse_threshold_blocks")
     chooses_decode_blocks = needs_block_metadata = True
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        check_range("sparse_topk_blocks", config.sparse_topk_blocks, 1)
+        check_range("sparse_threshold_blocks", config.sparse_threshold_blocks, 0)
+
+    @classmethod
+    def from_config(cls, config, scale: float) -> "QuestPolicy":
+        return cls(scale, config.sparse_topk_blocks, config.sparse_threshold_blocks)
+
+    @classmethod
+    def decode_pick_limit(cls, config) -> int:
+        return config.sparse_topk_blocks
 
     def __init__(self, scale: float, topk_blocks: int = 16, threshold_blocks: int = 4):
         super().__init__(scale)
-        if topk_blocks < 1:
-            raise ValueError(f"sparse_topk_blocks must be >= 1, got {topk_blocks}")
-        if threshold_blocks < 0:
-            raise ValueError(f"sparse_threshold_blocks must be >= 0, got {threshold_blocks}")
+        check_range("sparse_topk_blocks", topk_blocks, 1)
+        check_range("sparse_threshold_blocks", threshold_blocks, 0)
         self.topk_blocks, self.threshold_blocks = topk_blocks, threshold_blocks
         self.kmin = self.kmax = None
         self.num_gpu_blocks = 0

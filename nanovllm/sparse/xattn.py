@@ -15,8 +15,8 @@ import torch
 
 from nanovllm.ops._triton import is_pow2
 from nanovllm.ops.xattn_mask import xattn_block_mask
-from nanovllm.sampling_params import is_integer
-from nanovllm.sparse.policy import SparsePolicy
+from nanovllm.utils.checks import is_integer
+from nanovllm.sparse.policy import SparsePolicy, register_policy
 
 
 def check_xattn_params(threshold, stride, block_size, chunk_size) -> None:
@@ -36,6 +36,7 @@ def check_xattn_params(threshold, stride, block_size, chunk_size) -> None:
                          f"got {chunk_size!r}")
 
 
+@register_policy
 class XAttentionBSAPolicy(SparsePolicy):
     """Args: scale; threshold (cumulative block-score share kept per query block and head, in
     [0, 1]; 1.0 keeps every visible block, i.e. FULL's result); stride (antidiagonal stride, a
@@ -46,7 +47,19 @@ class XAttentionBSAPolicy(SparsePolicy):
         ValueError: a parameter out of range (see :func:`check_xattn_params`).
     """
 
+    name = "XATTN_BSA"
+    options = ("sparse_threshold", "sparse_stride", "sparse_block_size", "sparse_chunk_size")
     dense_prefill = False
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        check_xattn_params(config.sparse_threshold, config.sparse_stride, config.sparse_block_size,
+                           config.sparse_chunk_size)
+
+    @classmethod
+    def from_config(cls, config, scale: float) -> "XAttentionBSAPolicy":
+        return cls(scale, config.sparse_threshold, config.sparse_stride, config.sparse_block_size,
+                   config.sparse_chunk_size)
 
     def __init__(self, scale: float, threshold: float = 0.97, stride: int = 8, block_size: int = 128,
                  chunk_size: int = 16384):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from tools.random_checkpoint import make_random_checkpoint
 
 from _util import assert_same
 

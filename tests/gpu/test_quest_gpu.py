@@ -11,7 +11,7 @@ import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
 from nanovllm.sparse import QuestPolicy
-from nanovllm.sparse.quest_scores import quest_bounds, quest_bounds_ref, top_blocks
+from nanovllm.ops.quest_scores import quest_bounds, quest_bounds_ref, top_blocks
 from test_quest import assert_same_picks, random_bounds
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""CUDA tests of nanovllm.comm.sgdma: the cudaMemcpy2DAsync path (prebuilt or JIT extension) moves
+"""CUDA tests of nanovllm.kvcache.memcpy2d: the cudaMemcpy2DAsync path (prebuilt or JIT extension) moves
 the same bytes as the torch fallback, H2D and D2H, on the stream it is given.
 
 Run on the GPU machine: python -m pytest tests/gpu/test_sgdma_gpu.py -q -m gpu
@@ -6,8 +6,8 @@ Run on the GPU machine: python -m pytest tests/gpu/test_sgdma_gpu.py -q -m gpu
 import pytest
 import torch
 
-from nanovllm.comm import sgdma
-from nanovllm.comm.sgdma import _memcpy_2d_torch, memcpy_2d_async
+from nanovllm.kvcache import memcpy2d as sgdma
+from nanovllm.kvcache.memcpy2d import _memcpy_2d_torch, memcpy_2d_async
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.divergence import parting
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.divergence import parting
+from tools.random_checkpoint import cached_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 

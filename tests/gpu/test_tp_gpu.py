@@ -16,8 +16,8 @@ import torch
 
 from _util import run_torchrun
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.divergence import first_difference
-from nanovllm.utils.random_checkpoint import cached_random_checkpoint
+from tools.divergence import first_difference
+from tools.random_checkpoint import cached_random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]

@@ -10,13 +10,13 @@ import torch
 from _gpu_util import assert_close
 
 from nanovllm.kvcache.host_tier import HostTier
-from nanovllm.kvcache.pipeline import TieredAttention
+from nanovllm.kvcache.tiered_attention import TieredAttention
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.ops import prefill_attention, prefill_attention_ref
 from nanovllm.ops.block_sparse_attention import block_sparse_attention_ref
 from nanovllm.ops.xattn_mask import xattn_block_mask
 from nanovllm.sparse import SparseStats, XAttentionBSAPolicy
-from nanovllm.utils.context import Context, PrefixGather, reset_context, set_context
+from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -125,7 +125,7 @@ def test_prefix_with_host_blocks_equals_the_gpu_tier():
 
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory):
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    from tools.random_checkpoint import make_random_checkpoint
 
     return make_random_checkpoint("llama-3.1-8b", str(tmp_path_factory.mktemp("gpu") / "llama3-4l"),
                                   num_hidden_layers=4)

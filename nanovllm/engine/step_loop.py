@@ -34,7 +34,7 @@ import torch
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampling_batch import SampledStep, StepOutput
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.utils.tensors import to_device
 
 

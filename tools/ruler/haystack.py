@@ -5,7 +5,7 @@ filled to an exact token budget with inserts at given depths, and the chat-templ
 
 from __future__ import annotations
 
-from nanovllm.utils.passkey import template_halves
+from tools.passkey import template_halves
 
 # vt and cwe prepend RULER's in-context example only from this prompt length on (below it the
 # example would leave too little room for the task itself).

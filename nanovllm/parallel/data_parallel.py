@@ -3,7 +3,7 @@ with ``tensor_parallel_size`` (TP) ranks, share every ``generate`` call.
 
 The requests are split across the replicas balanced by token count (:func:`split_by_cost`), each
 replica runs its share with its own scheduler and KV cache, and the outputs are put back in input
-order (:func:`in_input_order`). Two launches, like tensor parallelism (``tp_worker``):
+order (:func:`in_input_order`). Two launches, like tensor parallelism (``ranks.py``, ``process_group.py``):
 
 - Spawned (a plain ``python`` run): the user's process is replica 0 and starts replicas 1..D-1
   as processes on this host (:class:`ReplicaPool`); replica r builds its own engine (spawning its
@@ -13,7 +13,7 @@ order (:func:`in_input_order`). Two launches, like tensor parallelism (``tp_work
 - torchrun (env:// rendezvous, D x TP processes, possibly on several hosts): global rank
   ``g = r * TP + t`` is tensor-parallel rank ``t`` of replica ``r``, so a replica is TP consecutive
   ranks (with ``--nproc-per-node TP``, one replica per host). Each process's default process group
-  is its replica's tensor-parallel group (``tp_worker.init_process_group``); a gloo group over all
+  is its replica's tensor-parallel group (``process_group.init_process_group``); a gloo group over all
   D x TP ranks (:class:`ReplicaExchange`) checks that the ranks make the same calls and all-gathers
   the replicas' results (:class:`TorchrunReplicas`), so every rank returns every output.
 """
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from nanovllm.config import Config
-from nanovllm.engine.tp_worker import TorchrunRank, torchrun_store
+from nanovllm.parallel.launch import Launch
+from nanovllm.parallel.process_group import torchrun_store
 from nanovllm.sampling_params import SamplingParams
 
 EXCHANGE_TIMEOUT = timedelta(hours=24)
@@ -91,7 +91,7 @@ def number_requests(outputs: list) -> list:
     return outputs
 
 
-def replica_config(config: Config, replica: int) -> Config:
+def replica_config(config, replica: int):
     """Replica ``replica``'s config: the engine's, with the sampling generator seeded
     ``(seed + replica) mod 2**64`` (replica 0 keeps ``seed``), so requests without a seed draw
     different numbers on different replicas. Seeded requests use their own generators."""
@@ -147,7 +147,7 @@ class ReplicaPool:
     Raises (any method): RuntimeError naming the replica when it died or its call failed.
     """
 
-    def __init__(self, config: Config, target: Callable):
+    def __init__(self, config, target: Callable):
         ctx = get_context("spawn")
         self.procs, self.conns, self.failed, self.call_id = [], [], None, 0
         try:
@@ -323,9 +323,9 @@ class TorchrunReplicas:
     (naming it; the failing replica's own ranks raise their own error).
     """
 
-    def __init__(self, config: Config, launch: TorchrunRank):
+    def __init__(self, config, launch: Launch):
         self.tp_size = config.tensor_parallel_size
-        self.replica, self.tp_rank = divmod(launch.rank, self.tp_size)
+        self.replica, self.tp_rank = launch.replica, launch.tp_rank
         self.exchange = torchrun_exchange(launch.rank, launch.world_size)
 
     def check_same_calls(self, payload: bytes) -> None:
@@ -369,6 +369,6 @@ class TorchrunReplicas:
         return results
 
 
-def torchrun_replicas(config: Config, launch: TorchrunRank) -> TorchrunReplicas | None:
+def torchrun_replicas(config, launch: Launch) -> TorchrunReplicas | None:
     """The replicas of a torchrun engine, or None without data parallelism."""
     return TorchrunReplicas(config, launch) if config.data_parallel_size > 1 else None

@@ -2,7 +2,7 @@
 checked and brought to one form before anything is tokenized or queued."""
 from typing import NamedTuple
 
-from nanovllm.sampling_params import is_integer
+from nanovllm.utils.checks import is_integer
 
 PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [ids]}"
 

@@ -35,7 +35,7 @@ from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, 
                           prefill_attention, store_kvcache)
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
-from nanovllm.utils.context import Context, PrefixGather, get_context
+from nanovllm.kvcache.context import Context, PrefixGather, get_context
 
 
 class RingReader:

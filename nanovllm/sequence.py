@@ -10,7 +10,7 @@ from nanovllm.sampling_params import SamplingParams
 LogprobEntry = tuple[list[int], list[float], int]
 
 # Holds the place of a token sampled by a step still running on the device (async scheduling,
-# ``nanovllm.engine.async_step``): the next step reads the token on the device; the host fills it in
+# ``nanovllm.engine.step_loop``): the next step reads the token on the device; the host fills it in
 # one step later. Never a vocabulary id, so a step that read it from the host would fail loudly.
 PLACEHOLDER_TOKEN = -1
 
