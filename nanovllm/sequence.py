@@ -74,6 +74,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
+        self.samples_token = False
+        self.samples_token = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.detokenizer = None  # an IncrementalDetokenizer when the request has stop strings
@@ -87,7 +89,8 @@ class Sequence:
 
     # What a spawned tensor-parallel worker reads to build a step's inputs; it never samples.
     _WORKER_FIELDS = ("seq_id", "num_prompt_tokens", "block_size", "block_table", "host_block_table",
-                      "num_cached_tokens", "num_computed_tokens", "num_scheduled_tokens", "num_prompt_logprobs")
+                      "num_cached_tokens", "num_computed_tokens", "num_scheduled_tokens", "samples_token",
+                      "num_prompt_logprobs")
 
     def __getstate__(self):
         """Pickled for the spawned TP workers each step, on the step's critical path: only this
@@ -122,10 +125,6 @@ class Sequence:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_completion_tokens == 0
-
-    @property
     def needs_prompt_logprobs(self) -> bool:
         """The request asked for prompt logprobs and they are not collected yet (they are, once
         the prompt is prefilled: a preempted sequence recomputes without them)."""
@@ -146,6 +145,20 @@ class Sequence:
         """Replace the trailing placeholder with the sampled ``token_id``."""
         self.token_ids[-1] = token_id
 
+    def schedule(self, num_tokens: int):
+        """The next step computes ``num_tokens`` tokens from ``num_computed_tokens``; it samples a
+        token (:attr:`samples_token`) when it reaches the last token: a decode step, or the prefill
+        chunk that completes the prompt. Decided here, once, and read by the scheduler, the step
+        inputs and the sampler."""
+        self.num_scheduled_tokens = num_tokens
+        self.samples_token = self.num_computed_tokens + num_tokens >= len(self.token_ids)
+
+    def computed(self):
+        """The scheduled tokens' KV is in the cache: they count as computed."""
+        self.num_computed_tokens += self.num_scheduled_tokens
+        self.num_scheduled_tokens = 0
+        self.samples_token = False
+
     def reset_for_recompute(self):
         """Forget all KV progress (preemption by recomputation)."""
         self.status = SequenceStatus.WAITING
@@ -153,3 +166,4 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
+        self.samples_token = False

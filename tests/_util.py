@@ -54,14 +54,12 @@ class LogitRecorder:
     """Records, per sequence, the float32 logits row of every sampled step."""
 
     def __init__(self, llm):
-        from nanovllm.engine.model_runner import ModelRunner
-
         self.rows: dict = {}
         runner = llm.model_runner
         sampler_forward, run = runner.sampler.forward, runner.run
 
         def recording_run(seqs, is_prefill, *args, **kwargs):
-            self.sampled = [s.seq_id for s in seqs if not is_prefill or ModelRunner._finishes_prefill(s)]
+            self.sampled = [s.seq_id for s in seqs if s.samples_token]
             return run(seqs, is_prefill, *args, **kwargs)
 
         def recording_forward(logits, *args, **kwargs):

@@ -8,8 +8,8 @@ import pytest
 
 from _util import ENGINE_DEFAULTS, StepRecorder, build_llm, greedy, random_prompt, run_torchrun, token_ids
 from nanovllm import SamplingParams
-from nanovllm.parallel.data_parallel import (in_input_order, request_cost, split_by_cost, sum_kv_cache_stats,
-                                           sum_sparse_stats)
+from nanovllm.parallel.data_parallel import in_input_order, request_cost, split_by_cost, sum_kv_cache_stats
+from nanovllm.sparse.stats import sum_sparse_stats
 
 LENGTHS = (3, 700, 40, 300, 9, 120)  # costs that LPT splits unevenly by count, evenly by tokens
 LOGPROB_TOL = 1e-5

@@ -285,3 +285,18 @@ def test_tensor_parallel_many_long_sequences(qwen3_dir):
         out = tp2.generate([prompt] * 400, greedy(2), use_tqdm=False)
     assert len(out) == 400
     assert len({tuple(o["token_ids"]) for o in out}) == 1
+
+
+def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+    """Sliding-window attention is not implemented: a Mistral config whose window is shorter than
+    max_model_len is refused naming both; a window covering max_model_len runs as full attention."""
+    from transformers import MistralConfig
+
+    from nanovllm.config import Config
+
+    MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048, sliding_window=512,
+                  architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM has sliding_window=512 < max_model_len=1024"):
+        Config(str(tmp_path), max_model_len=1024, device="cpu")
+    assert Config(str(tmp_path), max_model_len=512, device="cpu").max_model_len == 512

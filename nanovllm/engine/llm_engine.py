@@ -24,6 +24,7 @@ from nanovllm.hub import resolve_model
 from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sparse.stats import sum_sparse_stats
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ class LLMEngine:
         stats = {"policy": self.config.sparse_policy, **counts}
         if self._replicas is None:
             return stats
-        return data_parallel.sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))
+        return sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))
 
     def reset_sparse_stats(self) -> None:
         """Zero the counts behind :meth:`get_sparse_stats` (on every replica; under torchrun

@@ -201,12 +201,8 @@ class ModelRunner:
             return None  # a spawned worker: rank 0 samples
         if not rows.indices:
             return SampledStep.unsampled(len(seqs))
-        sampled = [not is_prefill or self._finishes_prefill(seq) for seq in seqs]
+        sampled = [seq.samples_token for seq in seqs]
         return self.step_sampler(logits, rows, seqs, sampled, generators, None if is_prefill else step_ids)
-
-    @staticmethod
-    def _finishes_prefill(seq: Sequence) -> bool:
-        return seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq)
 
     @torch.inference_mode()
     def forward_logits(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:

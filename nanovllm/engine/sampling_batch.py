@@ -16,11 +16,7 @@ from nanovllm.sequence import PLACEHOLDER_TOKEN, LogprobEntry, Sequence
 from nanovllm.layers.sampler import (FLOAT32_MAX, LogprobsTensors, Penalties, Sampler, SamplerOutput,
                                      SamplingTensors, compute_logprobs)
 from nanovllm.sampling_params import SamplingParams
-
-
-def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
+from nanovllm.utils.tensors import to_device
 
 
 def logprobs_width(k: int | None, vocab_size: int) -> int:
@@ -60,8 +56,8 @@ class LogitRows:
         """logits ``[len(indices), vocab]`` -> (rows to sample, rows of prompt logprobs or None)."""
         if not self._prompt_pos:
             return logits, None
-        return (logits[_to_device(self._sample_pos, torch.int64, logits.device)],
-                logits[_to_device(self._prompt_pos, torch.int64, logits.device)])
+        return (logits[to_device(self._sample_pos, torch.int64, logits.device)],
+                logits[to_device(self._prompt_pos, torch.int64, logits.device)])
 
 
 def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.Tensor | None) -> Penalties:
@@ -82,7 +78,7 @@ def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.T
         output_rows += [i] * len(output)
         output_tokens += output
     floats = [[min(p.repetition_penalty, FLOAT32_MAX), p.presence_penalty, p.frequency_penalty] for p in params]
-    repetition, presence, frequency = _to_device(floats, torch.float32, device).unbind(1)
+    repetition, presence, frequency = to_device(floats, torch.float32, device).unbind(1)
     ints = partial(_to_device, dtype=torch.int64, device=device)
     output_rows, output_tokens = ints(output_rows), ints(output_tokens)
     if pending_rows:
@@ -104,7 +100,7 @@ def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, dev
             tokens += stop
     if not rows:
         return None
-    return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
+    return to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)
 
 
 def _logprob_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[int], int]:
@@ -124,13 +120,13 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: 
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     temperatures = top_k = top_p = min_p = None
     if sampled_rows:
-        temperatures = _to_device([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params],
+        temperatures = to_device([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params],
                                   torch.float32, device)
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled_rows):
-            top_k = _to_device([p.top_k for p in params], torch.int64, device)
-            top_p = _to_device([p.top_p for p in params], torch.float32, device)
+            top_k = to_device([p.top_k for p in params], torch.int64, device)
+            top_p = to_device([p.top_p for p in params], torch.float32, device)
         if any(params[i].min_p > 0 for i in sampled_rows):
-            min_p = _to_device([p.min_p for p in params], torch.float32, device)
+            min_p = to_device([p.min_p for p in params], torch.float32, device)
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     logprob_rows, num_logprobs = _logprob_rows(params, vocab_size)
     return SamplingTensors(
@@ -262,4 +258,4 @@ class StepSampler:
         if self.rank > 0:
             return LogprobsTensors.empty(logits.size(0), k, logits.device)
         targets = [t for i, start, n in rows.spans for t in seqs[i].token_ids[start + 1:start + 1 + n]]
-        return compute_logprobs(logits, _to_device(targets, torch.int64, logits.device), k)
+        return compute_logprobs(logits, to_device(targets, torch.int64, logits.device), k)

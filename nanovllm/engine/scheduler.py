@@ -73,10 +73,10 @@ class Scheduler:
             chunk = manager.ensure_writable(seq, min(len(seq) - seq.num_computed_tokens, budget))
             if not chunk:
                 break
-            seq.num_scheduled_tokens = chunk
+            seq.schedule(chunk)
             budget -= chunk
             scheduled.append(seq)
-            if seq.num_computed_tokens + chunk < len(seq):
+            if not seq.samples_token:  # part-way: the chunk does not complete its prompt
                 break
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
@@ -93,7 +93,7 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                seq.num_scheduled_tokens = 1
+                seq.schedule(1)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return longest_first(scheduled)
@@ -141,7 +141,7 @@ class Scheduler:
             self._advance(seq, sampled=True)
         for seq in batch:
             self.block_manager.ensure_writable(seq, 1)
-            seq.num_scheduled_tokens = 1
+            seq.schedule(1)
         return longest_first(batch)
 
     def schedule_prefill_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
@@ -160,7 +160,7 @@ class Scheduler:
         """
         if not self.waiting:
             return None
-        completing = [seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq) for seq in seqs]
+        completing = [seq.samples_token for seq in seqs]
         if any(done and (reaches_length_limit(seq, self.max_model_len, 1) or may_stop_on_token(seq, self.eos_token_ids))
                for seq, done in zip(seqs, completing)):
             return None
@@ -172,8 +172,7 @@ class Scheduler:
     @staticmethod
     def _advance(seq: Sequence, sampled: bool):
         """The step's KV is computed; its sampled token (if any) is a placeholder until known."""
-        seq.num_computed_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
+        seq.computed()
         if sampled:
             seq.append_token(PLACEHOLDER_TOKEN)
 

@@ -12,10 +12,11 @@ policy, decode addresses the whole as one table of rows); the host tier (``host_
 spilled blocks in pinned memory.
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
 side); a step carries it here as each sequence's two block tables and the list of spills. The
-attention over both tiers is ``pipeline.py``; the sparse policy only chooses (``nanovllm.sparse``).
-With the host tier off, every step is the GPU-only engine's: same tables, same kernels. Whether
-the host tier exists (``enable_cpu_offload``) is decided here, once (:func:`has_host_tier`,
-kept as :attr:`KVCache.tiered`).
+attention over both tiers is ``tiered_attention.py``, a step's inputs are built by
+``step_inputs.py``; the sparse policy only chooses (``nanovllm.sparse``). With the host tier off,
+every step is the GPU-only engine's: same tables, same kernels. Whether the host tier exists is
+``Config.enable_cpu_offload``, read once here (:attr:`KVCache.tiered`); a host tier always has
+blocks (``sizing.check_capacity``).
 """
 import logging
 
@@ -32,8 +33,9 @@ from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
 from nanovllm.kvcache.tier_rows import TierRows, staging_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.sparse import SparseStats, create_policy
-from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
-from nanovllm.utils.tensors import padded_rows, to_device
+from nanovllm.kvcache.context import reset_context, set_context
+from nanovllm.kvcache.step_inputs import StepInputs
+from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +46,14 @@ class KVCache:
     that eager and graph decode run the same shapes; None: no padding)."""
 
     def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None):
-        self.config, self.device, self.decode_batch_sizes = config, device, decode_batch_sizes
+        self.config, self.device = config, device
         layer = layers[0]
         self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
                                    config.dtype)
-        self.policy = create_policy(config, layer.scale)
         self.tiered = config.enable_cpu_offload
+        self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
+                                 config.max_model_len)
+        self.policy = create_policy(config, layer.scale)
         picks_from_host = self.tiered and self.policy.chooses_decode_blocks
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
@@ -131,7 +135,7 @@ class KVCache:
             if self.host else "")
 
     def release(self):
-        if self.host is not None:
+        if self.host is not None:  # allocated (release may follow a failed allocate)
             self.host.synchronize()
         self.attention.release()
         self.kv = self.host = None
@@ -155,9 +159,13 @@ class KVCache:
         """Set the attention context of a step; returns the model inputs ``(input_ids,
         positions, sample_idx)`` (``sample_idx``: the rows whose logits are sampled)."""
         if is_prefill:
-            ctx, input_ids, positions, sample_idx = self._prepare_prefill(seqs)
+            ctx, input_ids, positions, sample_idx = self.inputs.prefill(seqs)
+            for seq in seqs:
+                self._note_filled(seq, seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens)
         else:
-            ctx, input_ids, positions, sample_idx = self._prepare_decode(seqs)
+            ctx, input_ids, positions, sample_idx = self.inputs.decode(seqs, self._selection(seqs))
+            for seq in seqs:
+                self._note_filled(seq, len(seq) - 1, len(seq))
         set_context(ctx)
         self.attention.begin_step(ctx)
         return (to_device(input_ids, torch.int64, self.device), to_device(positions, torch.int64, self.device),
@@ -172,92 +180,13 @@ class KVCache:
             self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
             self._completed = []
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
-        if pos < seq.num_cached_tokens:  # a cached, shared block: its KV is already there
-            return -1
-        block_size = self.geometry.block_size
-        return seq.block_table[pos // block_size] * block_size + pos % block_size
-
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """:meth:`_slot` of positions ``start .. end - 1``, a range per block."""
-        block_size = self.geometry.block_size
-        pos = min(max(seq.num_cached_tokens, start), end)
-        slots = [-1] * (pos - start)
-        while pos < end:
-            block = pos // block_size
-            stop = min((block + 1) * block_size, end)
-            base = (seq.block_table[block] - block) * block_size
-            slots += range(base + pos, base + stop)
-            pos = stop
-        return slots
-
     def _note_filled(self, seq: Sequence, start: int, end: int):
+        """Positions ``start .. end - 1`` of ``seq`` are written this step: the GPU blocks they fill
+        get the policy's metadata after the step."""
         if self.policy.needs_block_metadata:
             block_size = self.geometry.block_size
             self._completed += [seq.block_table[j] for j in range(start // block_size, end // block_size)
                                 if seq.block_table[j] != NO_BLOCK]
-
-    def _prepare_prefill(self, seqs: list[Sequence]):
-        input_ids, positions, slots, seqlens_q, seqlens_k, sample_idx, gathers = [], [], [], [], [], [], {}
-        for i, seq in enumerate(seqs):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self._slots(seq, start, end)
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            if end == len(seq):
-                sample_idx.append(len(input_ids) - 1)
-            if start and self.host is not None:
-                gather = self._prefix_gather(seq, start)
-                if gather is not None:
-                    gathers[i] = gather
-            self._note_filled(seq, start, end)
-        tables = None
-        if any(k > q for q, k in zip(seqlens_q, seqlens_k)):
-            tables = [seq.block_table for seq in seqs]
-            tables = to_device(padded_rows(tables, max(map(len, tables))), torch.int32, self.device)
-        ctx = Context(is_prefill=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, block_tables=tables,
-                      slot_mapping=to_device(slots, torch.int64, self.device), prefix_gathers=gathers)
-        return ctx, input_ids, positions, sample_idx
-
-    def _prefix_gather(self, seq: Sequence, num_tokens: int) -> PrefixGather | None:
-        """Where the first ``num_tokens`` of ``seq`` live, when some are on the host tier."""
-        num_blocks = -(-num_tokens // self.geometry.block_size)
-        host = [(j, seq.host_block_table[j]) for j in range(num_blocks) if seq.host_block_table[j] != NO_BLOCK]
-        if not host:
-            return None
-        gpu = [(j, seq.block_table[j]) for j in range(num_blocks) if seq.block_table[j] != NO_BLOCK]
-        index, ids = (list(t) for t in zip(*gpu)) if gpu else ([], [])
-        return PrefixGather(num_tokens, to_device(index, torch.int64, self.device),
-                            to_device(ids, torch.int64, self.device), host)
-
-    def _prepare_decode(self, seqs: list[Sequence]):
-        block_size = self.geometry.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slots = [self._slot(seq, len(seq) - 1) for seq in seqs]
-        tables, lens, loads = [], [], []
-        for row, seq in enumerate(seqs):
-            table, length = seq.block_table, len(seq)
-            if self.host is not None and NO_BLOCK in table:
-                hosts = [h for h in seq.host_block_table if h != NO_BLOCK]
-                loads += [(row, h) for h in hosts]
-                table, length = [b for b in table if b != NO_BLOCK], length - len(hosts) * block_size
-            tables.append(table)
-            lens.append(length)
-            self._note_filled(seq, len(seq) - 1, len(seq))
-        ctx = Context(is_prefill=False, host_loads=loads, selection=self._selection(seqs))
-        width = max(map(len, tables))
-        if ctx.paged_only and self.decode_batch_sizes:  # CUDA: the shapes of the captured graphs
-            pad = next((s for s in self.decode_batch_sizes if s >= len(seqs)), len(seqs)) - len(seqs)
-            input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
-            lens, tables = lens + [0] * pad, tables + [[]] * pad
-            width = max(width, -(-self.config.max_model_len // block_size))
-        ctx.slot_mapping = to_device(slots, torch.int64, self.device)
-        ctx.context_lens = to_device(lens, torch.int32, self.device)
-        ctx.block_tables = to_device(padded_rows(tables, width), torch.int32, self.device)
-        return ctx, input_ids, positions, list(range(len(seqs)))
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
         """The batch's choosing part, when the policy chooses for some sequence; a choosing
@@ -283,4 +212,4 @@ class KVCache:
         """Host-to-GPU block loads so far, in blocks of every layer (keys and values); the last
         choosing decode step's gathers recorded first."""
         self.attention.flush()
-        return self.host.bytes_h2d // self.geometry.block_bytes if self.host is not None else 0
+        return self.host.bytes_h2d // self.geometry.block_bytes if self.tiered else 0

@@ -101,6 +101,10 @@ def check_capacity(config: Config, geometry: KVGeometry, sizes: TierSizes) -> No
             f"the KV cache holds {sizes.gpu_blocks} GPU + {sizes.host_blocks} host blocks x {block} = {capacity} "
             f"tokens, fewer than max_model_len={config.max_model_len}: not enough memory for one sequence "
             f"(block = {geometry.block_bytes} bytes); lower max_model_len or give more memory")
+    if config.enable_cpu_offload and not sizes.host_blocks:
+        raise RuntimeError(f"the host tier holds 0 blocks of {geometry.block_bytes} bytes: cpu_memory_utilization="
+                           f"{config.cpu_memory_utilization} of this host's available memory is less than one block "
+                           f"per rank; raise it, set num_cpu_kvcache_blocks, or turn enable_cpu_offload off")
     if sizes.host_blocks and sizes.gpu_blocks < 2:
         raise RuntimeError(f"the GPU tier has {sizes.gpu_blocks} blocks; with a host tier it needs at least 2 "
                            f"(a sequence's first block and the block it writes)")

@@ -67,14 +67,6 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x, self.bias)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

@@ -39,6 +39,7 @@ def causal_visible_blocks(seq_q: int, seq_k: int, block_size: int) -> int:
 
 
 def _ratio(num, den) -> float | None:
+    """``num / den`` as a float, None when ``den`` is 0 (nothing was counted)."""
     return float(num) / den if den else None
 
 
@@ -118,3 +119,25 @@ class SparseStats:
                 "loaded_host_blocks": sum(loaded.values()), "available_host_blocks": sum(available.values()),
                 "per_layer": [{"layer": i, "comm_density": _ratio(loaded.get(i, 0), available.get(i, 0))}
                               for i in layers]}
+
+
+def sum_sparse_stats(per_replica: list[dict]) -> dict:
+    """``LLM.get_sparse_stats()`` of the whole engine: each phase's block counts summed over the
+    replicas and its overall densities recomputed from the sums; ``"replicas"`` holds each
+    replica's own dict (with its ``per_layer`` rows, which a sum of densities cannot give)."""
+    def phase(name: str) -> dict:
+        rows = [stats[name] for stats in per_replica]
+        merged = {key: None if rows[0][key] is None else sum(row[key] for row in rows)
+                  for key in ("kept_blocks", "visible_blocks", "loaded_host_blocks", "available_host_blocks",
+                              "reused_host_blocks", "selected_host_blocks")
+                  if key in rows[0]}
+        merged["comm_density"] = _ratio(merged["loaded_host_blocks"], merged["available_host_blocks"])
+        if "reuse_rate" in rows[0]:
+            merged["reuse_rate"] = _ratio(merged["reused_host_blocks"], merged["selected_host_blocks"])
+        if "density" in rows[0]:
+            dense = merged["kept_blocks"] is None  # the policy's prefill is dense: 1.0 everywhere
+            merged["density"] = 1.0 if dense else _ratio(merged["kept_blocks"], merged["visible_blocks"])
+        return merged
+
+    return {"policy": per_replica[0]["policy"], "prefill": phase("prefill"), "decode": phase("decode"),
+            "replicas": per_replica}
