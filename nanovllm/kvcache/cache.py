@@ -34,6 +34,7 @@ from nanovllm.kvcache.tier_rows import TierRows, staging_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.sparse import SparseStats, create_policy
 from nanovllm.kvcache.context import reset_context, set_context
+from nanovllm.kvcache.spec import uniform_storage
 from nanovllm.kvcache.step_inputs import StepInputs
 from nanovllm.utils.tensors import to_device
 
@@ -41,15 +42,18 @@ logger = logging.getLogger(__name__)
 
 
 class KVCache:
-    """Args: config; layers (the model's attention layers, in order); device; decode_batch_sizes
+    """Args: config; layers (the model's attention layers, in order, each declaring its
+    :class:`~nanovllm.kvcache.spec.LayerKVSpec`); device; decode_batch_sizes
     (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode batches are padded so
     that eager and graph decode run the same shapes; None: no padding)."""
 
     def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None):
         self.config, self.device = config, device
         layer = layers[0]
-        self.geometry = KVGeometry(len(layers), layer.num_kv_heads, layer.head_dim, config.kvcache_block_size,
-                                   config.dtype)
+        self.specs = [module.kv_spec(config.dtype) for module in layers]
+        storage = uniform_storage(self.specs)
+        self.geometry = KVGeometry(len(layers), storage.num_kv_heads, storage.head_dim, config.kvcache_block_size,
+                                   storage.dtype)
         self.tiered = config.enable_cpu_offload
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
                                  config.max_model_len)

@@ -4,6 +4,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nanovllm.kvcache.spec import LayerKVSpec
+
 Rotate = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """RoPE of the new tokens' q and k: ``rotate(q, k, kv_store=None) -> (q', k')``, which also writes
 k' and the values into the KV cache when given a :class:`nanovllm.ops.rotary.KVStore` (a bound
@@ -23,6 +25,10 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.layer_id, self.kv_cache = -1, None
+
+    def kv_spec(self, dtype: torch.dtype) -> LayerKVSpec:
+        """What this layer stores per token when the model runs in ``dtype``."""
+        return LayerKVSpec(self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: Rotate | None = None) -> torch.Tensor:
         """Attention of the new tokens; ``rotate`` (RoPE not yet applied to q and k) runs in the
