@@ -1,5 +1,5 @@
 """The decode reuse cache and staging rows (nanovllm/kvcache/reuse.py) and the device-side reads
-of a choosing policy (nanovllm/kvcache/selection.py, pipeline.py), by hand: victim choice, a step's
+of a choosing policy (nanovllm/kvcache/selection.py, tiered_attention.py), by hand: victim choice, a step's
 outcome recorded a step late, and multi-step decodes over both tiers whose outputs equal, bit for
 bit in float32, what the former host-side path computed (the same blocks in the same logical order
 through the same kernels), with hand-counted reuse and traffic. Engine-level checks (QUEST equal to

@@ -3,11 +3,11 @@
 One ModelRunner per tensor-parallel rank; every public method that touches the model runs on
 all ranks with the same arguments. With spawned workers, rank 0 lives in the user's process and
 drives the others through a :class:`RankChannel`; under torchrun each rank's engine makes the
-same calls itself and rank 0's sampled tokens are broadcast (``tp_worker``).
+same calls itself and rank 0's sampled tokens are broadcast (``nanovllm.parallel``).
 
 A step: ``cache.begin_step(spills)`` -> ``cache.prepare`` -> model -> ``cache.finish_step`` ->
 sample (rank 0). A step returns its results on the device (:class:`SampledStep`); the engine
-reads them at once or, with async scheduling, one step later (``async_step``).
+reads them at once or, with async scheduling, one step later (``step_loop``).
 """
 import logging
 

@@ -72,7 +72,7 @@ class KVCache:
         self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
-        """Attention of one layer for the current step (see ``pipeline.py``)."""
+        """Attention of one layer for the current step (see ``tiered_attention.py``)."""
         return self.attention.forward(layer, q, k, v, rotate)
 
     # ---- memory ------------------------------------------------------------------------

@@ -281,7 +281,7 @@ def torchrun_exchange(rank: int, world_size: int) -> ReplicaExchange:
     """The process's one exchange, released at interpreter exit (``atexit``, while the interpreter
     is intact). A gloo group still alive after the interpreter's teardown is destroyed with its
     threads still running, which aborts the process ("terminate called without an active
-    exception") and fails the torchrun job; ``tp_worker`` does the same for the default group."""
+    exception") and fails the torchrun job; ``process_group`` does the same for the default group."""
     exchange = ReplicaExchange(rank, world_size)
     atexit.register(exchange.close)
     return exchange

@@ -7,7 +7,7 @@ for the blocks of both tiers (indexed by metadata slot, see ``policy.py``): comp
 cache when a block becomes full and copied along when the block is spilled to the host tier. A
 block's score for a decode query combines every query head's upper bound of ``q . k`` over the
 block's pages: the sum over heads of each head's softmax of its bounds over the candidate blocks
-(``quest_scores.py``). When a sequence has more than ``threshold_blocks`` blocks (and
+(``nanovllm.ops.quest_scores``). When a sequence has more than ``threshold_blocks`` blocks (and
 more than ``topk_blocks + 3``), its first block (attention sink) and its two last blocks (the
 block being written and the one before it: the most recent tokens, a prompt's question, the answer
 so far) are read whatever the query, plus the ``topk_blocks`` best-scoring blocks between them.
