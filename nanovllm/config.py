@@ -103,9 +103,9 @@ class Config:
             ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
             QUEST, else off; the resolved bool is stored here. True forces it (ValueError where
             unsupported; on CPU nothing overlaps, but the same code path runs, which is what its
-            CPU tests use); False is the synchronous loop, for debugging. On the H200 it took
-            ``bench.py`` from 15,326 to 19,625 tok/s with identical outputs
-            (``tests/gpu/test_async_scheduling_gpu.py``, ``docs/benchmarks.md``).
+            CPU tests use); False is the synchronous loop, for debugging. Outputs are identical
+            either way (``tests/gpu/test_async_scheduling_gpu.py``); its gain on ``bench.py``:
+            ``docs/benchmarks.md``, 'Throughput'.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
             ``nanovllm.kvcache.sizing``).
@@ -129,7 +129,7 @@ class Config:
         sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
             first block and the two last ones (the block being written and the one before it),
             which are always loaded. The default 16 is the knee of RULER's accuracy against the
-            share of the KV read, at 32K tokens in 256-token blocks (15% of the KV; docs/sparse.md).
+            share of the KV read, at 32K tokens in 256-token blocks (docs/sparse.md, 'Defaults').
         sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
         num_reuse_cache_blocks: QUEST with the host tier: GPU blocks (of every layer) that keep
             host-tier blocks selected in recent decode steps, so a block selected again is read

@@ -226,7 +226,7 @@ class DecodeSelection:
         lookup = torch.full((num_layers, int(host.max()) + 2), -1, dtype=torch.int64)  # last column: no block
         entries = [(layer, host_id, row) for layer in range(num_layers)
                    for host_id, row in reuse.cached(layer).items() if host_id < lookup.shape[1] - 1]
-        if entries:  # one indexed write (a write per entry cost ~1 ms per step of host time)
+        if entries:  # one indexed write, not one per entry (host time: docs/benchmarks.md, bench_selection_host)
             layers, host_ids, rows = zip(*entries)
             lookup[list(layers), list(host_ids)] = torch.tensor(rows)
         return lookup[:, torch.where(host >= 0, host, lookup.shape[1] - 1)]
@@ -317,7 +317,7 @@ class DecodeSelection:
         hits = host_pick & ~miss
         placed = miss & (rows < self.layout.staging_base)
         local = rows - torch.arange(rows.shape[0])[:, None, None] * self.layout.layer_rows
-        # to Python once: per-layer tensor indexing cost ~1 ms per step of host time at 32 layers
+        # to Python once, not by per-layer tensor indexing (host time: docs/benchmarks.md, bench_selection_host)
         num_hits, num_picked = hits.sum((1, 2)).tolist(), host_pick.sum((1, 2)).tolist()
         host_ids, hits, placed, local = (t.flatten(1).tolist() for t in (host_ids, hits, placed, local))
         for layer, (ids, hit, place, row) in enumerate(zip(host_ids, hits, placed, local)):

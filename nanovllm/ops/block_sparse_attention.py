@@ -8,10 +8,9 @@ forward (Dao 2023; online softmax in fp32 with exp2) over, per query tile, only 
 query block keeps. The kept blocks come as two lists built on the device from the mask: *full*
 blocks (every key visible to every row: no masks) and *partial* ones (crossing the causal diagonal
 or the end of the keys), each walked in one flat loop of key tiles so Triton pipelines the K/V
-loads (TMA bulk copies where allowed) across blocks. On the H200 (docs/benchmarks.md) it takes
-0.13 / 0.35 / 0.57 of cuDNN's dense causal time at densities 0.1 / 0.3 / 0.5 (FlexAttention with
-a ``BlockMask`` from the same lists was 6-15% slower than an earlier version of it), needs no
-torch.compile and runs under Triton's interpreter in the CPU tests.
+loads (TMA bulk copies where allowed) across blocks. It needs no torch.compile and runs under
+Triton's interpreter in the CPU tests. Its time against cuDNN's dense causal attention, and the
+FlexAttention backend it replaced: docs/benchmarks.md, 'XAttention kernels at 32K', and docs/ops.md.
 """
 
 import torch
@@ -123,8 +122,8 @@ def _bsa_tile(
     of key block ``block`` (= ``index[t // TILES]``). Unmasked: every key is visible to every row
     (a *full* block). MASKED: keys >= key_end and, if causal, keys past a row's position ``q_pos``
     are hidden. Also loads and returns the block index of tile t + 1 (0 past the list), so its
-    global-memory latency overlaps this tile: read at its own tile, it stalled every tile (13% of
-    the kernel time at density 0.5 on the H200)."""
+    global-memory latency overlaps this tile: read at its own tile, it stalls every tile
+    (docs/benchmarks.md, 'XAttention kernels at 32K')."""
     TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     next_block = tl.load(index_row + (t + 1) // TILES, mask=t + 1 < tiles, other=0)
     pos0 = block * BLOCK_SIZE + (t % TILES) * BLOCK_N
@@ -241,9 +240,8 @@ def _tiles(q: torch.Tensor, block_size: int) -> tuple[int, int, int]:
 
 
 STAGES = {True: 3, False: 2}
-"""Pipeline stages of the K/V loads with and without TMA. Measured on the H200 (bf16, head_dim
-128, 32K tokens; docs/benchmarks.md): with TMA 3 stages beat 2 by 4-7%; pointer loads gain
-nothing from a third stage; 64-row tiles and 4 warps at 128 rows were slower."""
+"""Pipeline stages of the K/V loads with and without TMA: a third stage pays only with TMA (the
+sweep of stages, tiles and warps: docs/benchmarks.md, 'XAttention kernels at 32K')."""
 
 
 def _bsa_triton(q, k, v, mask, block_size, scale, causal):

@@ -24,18 +24,18 @@ _BLOCK_G = MIN_DOT_ROWS
 """q heads per program: a GQA group (padded) or a 16-head slice of a larger one."""
 _UNSPLIT_PROGRAMS_PER_SM = 3
 """A batch with at least this many (sequence, KV head) programs per SM is not split: about as
-many as fit on an SM at once, so the GPU is already full (H200, bench.py's batches: splitting
-128 sequences x 8 heads was 0-8% slower)."""
+many as fit on an SM at once, so the GPU is already full and splitting only adds the merge
+(docs/ops.md, 'Splits only for an under-filled GPU')."""
 _PROGRAMS_PER_SM = 12
-"""Below that, split-K aims at this many programs per SM (H200, contexts of 1-2K: 48 sequences x 8
-heads 12% faster in 4 splits than in 2, 16 sequences 15% faster in 8 than in 5)."""
+"""Below that, split-K aims at this many programs per SM (chosen on bench.py's decode batches:
+docs/ops.md, 'Splits only for an under-filled GPU')."""
 _MAX_SPLITS = 32
 """Most splits chosen automatically; the merge kernel's compiled tile always covers this many, so
 its one variant serves every context length."""
 _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
-"""KV tokens per tile for head_dim <= 128 (half of it above); 32 and 128 measured slower."""
+"""KV tokens per tile for head_dim <= 128 (half of it above); other tiles: docs/ops.md, 'Measured on the H200'."""
 _MAX_BATCH = 65535
 """Largest decode batch: the batch is the grid's second dimension, which CUDA caps at 65535."""
 _NUM_WARPS = 4
@@ -159,10 +159,10 @@ def _decode_split_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table_row = table_ptr + b * stride_tb
-    # Each tile's block ids are loaded during the tile before it (1-2% faster on the H200 than
-    # loading them with the tile). Triton's interpreter (numpy 2) cannot take tensor bounds in
-    # range(); compiled kernels keep the for loop, which Triton software-pipelines (the while form
-    # ran 10-20% slower on the H200).
+    # Each tile's block ids are loaded during the tile before it, so a tile's K/V loads do not wait
+    # for its ids. Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled
+    # kernels keep the for loop, which Triton software-pipelines (the while form is slower:
+    # docs/ops.md, 'Measured on the H200').
     block = _tile_blocks(table_row, start, end, BLOCK_N, BLOCK_SIZE)
     if WHILE_LOOP:
         n0 = start
@@ -367,9 +367,9 @@ def decode_attention(
     CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
     also writes the merged LSE when asked; with one split, e.g. a large batch, the split pass
     writes the result itself and no merge runs), with a grid fixed by the shapes and no host sync, so
-    the call is CUDA-graph capturable (run it once before capture so Triton compiles). On the H200
-    it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
-    4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
+    the call is CUDA-graph capturable (run it once before capture so Triton compiles). It reads KV
+    about as fast as cuDNN over contiguous KV (docs/ops.md, 'Measured on the H200'), so
+    flash_attn's paged kernel is not used. Lengths are not range-checked on the
     device. CPU: the whole batch in one call of torch's fused CPU flash attention
     (:func:`_decode_cpu`), lengths range-checked; without Triton on another device:
     :func:`decode_attention_ref`.

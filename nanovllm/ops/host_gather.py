@@ -4,8 +4,8 @@ QUEST decode picks its host-tier blocks on the device, per layer. Copying them w
 ``cudaMemcpyAsync`` needs their ids on the host (a sync per layer); instead one kernel reads the
 ids on the device and copies the picked blocks straight out of pinned host memory: with CUDA's
 unified virtual addressing a pinned allocation is addressable from the device, so a pinned CPU
-tensor is passed to the kernel like a device tensor. Measured on the H200 (``python -m
-benchmarks.bench_uva_gather``): 51 GB/s for 16 MiB blocks, 0.93 of the copy engine's 55 GB/s.
+tensor is passed to the kernel like a device tensor, at close to the copy engine's rate
+(``python -m benchmarks.bench_uva_gather``; docs/benchmarks.md, 'Reading picked host blocks').
 """
 
 import torch
@@ -13,7 +13,8 @@ import torch
 from ._triton import cdiv, tl, triton, use_triton
 
 _TILE = 8192
-"""Elements per program (one tile of a block); 2K-32K measured within 0.5% on the H200."""
+"""Elements per program (one tile of a block), inside the range of tiles that ran at the same rate
+(docs/benchmarks.md, 'Reading picked host blocks')."""
 
 
 def _blocks_contiguous(shape: torch.Size, stride: tuple[int, ...]) -> bool:

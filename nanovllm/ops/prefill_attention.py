@@ -148,10 +148,9 @@ def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache
 
 
 def _use_varlen(q: torch.Tensor, seqlens_q: list[int]) -> bool:
-    """Several short sequences in fp16/bf16 on CUDA. Each per-sequence step costs 0.1-0.25 ms of
-    host time, while varlen FlashAttention-2 ran at 80-280 TFLOP/s against cuDNN's ~550 on the
-    H200: 64 x 300, 16 x 1000 and 8 x 512 (+1536 cached) tokens were faster through varlen,
-    4 x 2048 through cuDNN."""
+    """Several short sequences in fp16/bf16 on CUDA: each per-sequence step costs host time, while
+    varlen FlashAttention-2 runs at a fraction of cuDNN's rate, so many short sequences go through
+    varlen and few long ones through cuDNN (docs/ops.md, 'prefill_attention.py')."""
     lengths = [n for n in seqlens_q if n]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (q.dtype, q.shape[2]) not in _varlen_failed
             and len(lengths) > 1 and sum(lengths) <= _VARLEN_MAX_MEAN_TOKENS * len(lengths))

@@ -10,9 +10,8 @@ The paper selects pages per head. Here one selection serves every head of the la
 bounds are combined (:func:`block_scores`): each head's bounds (times the softmax scale) become a
 softmax over the candidate blocks, that head's estimate of how its attention divides among them,
 and a block's score is the sum of these shares over the heads. Taking the largest bound over heads
-instead let any head whose bounds were large everywhere decide the selection: with top-k 4 of 32
-blocks, RULER on Qwen2.5-Coder-0.5B at 32K scored 28.5 with the maximum and 46.7 with the shares
-(FULL 62.5; docs/sparse.md).
+instead lets any head whose bounds are large everywhere decide the selection, which costs accuracy
+(docs/sparse.md, 'QUEST: the per-head score').
 
 :func:`quest_bounds` computes the bounds of the candidate blocks of a decode batch straight from
 one layer's bounds: on CUDA one Triton kernel (a program per (sequence, block, KV head) walks the
