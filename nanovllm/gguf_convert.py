@@ -1,10 +1,11 @@
 """GGUF -> Hugging Face directory conversion (transformers' GGUF loader), used by
-:mod:`nanovllm.fetch`. It needs the ``gguf`` package (the ``fetch`` extra:
-``pip install "nanovllm[fetch]"``), imported only when a conversion runs."""
+:mod:`nanovllm.fetch`. The loader needs the ``gguf`` and ``accelerate`` packages (the ``fetch``
+extra: ``pip install "nanovllm[fetch]"``), imported only when a conversion runs."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import time
@@ -12,24 +13,30 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-GGUF_REQUIREMENT = "gguf>=0.10"  # as in the fetch extra of pyproject.toml
+# What transformers' GGUF loader imports, as in the fetch extra of pyproject.toml.
+CONVERSION_REQUIREMENTS = {"gguf": "gguf>=0.10", "accelerate": "accelerate"}
 
 
-def require_gguf() -> None:
-    """Check that the ``gguf`` package, which transformers' GGUF loader needs, is importable.
+def require_conversion_packages() -> None:
+    """Check that the packages transformers' GGUF loader needs (``gguf``, ``accelerate``) import.
 
     Raises:
-        RuntimeError: ``gguf`` cannot be imported; the message names the package and the pip
-            commands that install it.
+        RuntimeError: one of them cannot be imported; the message names every missing package
+            and the pip commands that install them.
     """
-    try:
-        import gguf  # noqa: F401
-    except ImportError as e:
+    missing = {}
+    for module, requirement in CONVERSION_REQUIREMENTS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            missing[requirement] = e
+    if missing:
+        names = ", ".join(f"'{r}' ({e})" for r, e in missing.items())
         raise RuntimeError(
-            f"converting a GGUF model needs the 'gguf' package, which cannot be imported ({e}); "
-            f"install it with: pip install \"{GGUF_REQUIREMENT}\" "
-            "(or nanovllm's fetch extra: pip install -e \".[fetch]\" in a checkout)"
-        ) from e
+            f"converting a GGUF model needs packages that cannot be imported: {names}; install them "
+            f"with: pip install {' '.join(repr(r) for r in missing)} (or nanovllm's fetch extra: "
+            "pip install -e \".[fetch]\" in a checkout, pip install \"nanovllm[fetch]\" otherwise)"
+        )
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, eos_token_id: int, eos_token: str) -> None:
@@ -39,10 +46,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, eos_token_id: int, eos_token: s
     both configs and no ``quantization_config``.
 
     Raises:
-        RuntimeError: ``gguf`` is missing (:func:`require_gguf`), the tokenizer does not map
-            ``eos_token`` to ``eos_token_id``, or the GGUF carries no chat template.
+        RuntimeError: ``gguf`` or ``accelerate`` is missing (:func:`require_conversion_packages`),
+            the tokenizer does not map ``eos_token`` to ``eos_token_id``, or the GGUF carries no
+            chat template.
     """
-    require_gguf()
+    require_conversion_packages()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
