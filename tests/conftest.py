@@ -194,8 +194,9 @@ def phi3_4k_dir(tmp_path_factory):
 
     return _save_checkpoint(tmp_path_factory.mktemp("phi3_4k"), Phi3Config, Phi3ForCausalLM, 7,
                             random_vectors=True, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=4, original_max_position_embeddings=MAX_POSITIONS,
-                            rope_scaling=_longrope(24, 7), sliding_window=None, tie_word_embeddings=False)
+                            num_attention_heads=4, num_key_value_heads=4,
+                            original_max_position_embeddings=MAX_POSITIONS, rope_scaling=_longrope(24, 7),
+                            sliding_window=None, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

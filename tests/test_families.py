@@ -275,3 +275,24 @@ def test_glm_stops_on_any_of_its_eos_ids_from_either_config(glm_dir, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == GLM_EOS
     with build_llm(str(tmp_path)) as llm:
         assert llm.config.eos_token_ids == sorted(GLM_EOS)
+
+
+@pytest.mark.parametrize("shape,layer_fields", [
+    ("glm-4-9b-1m", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    ("phi-3-mini-128k", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2)),
+])
+def test_random_checkpoint_shapes_of_the_families(shape, layer_fields, tmp_path):
+    """bench_offload.py's --shape glm-4-9b-1m / phi-3-mini-128k: the real configs (here with tiny
+    layers: Phi-3's 48 LongRoPE factors need its head_dim of 96) load and generate."""
+    from transformers import AutoConfig
+
+    from tools.random_checkpoint import SHAPES, make_random_checkpoint
+
+    path = make_random_checkpoint(shape, str(tmp_path / shape), dtype=torch.float32, device="cpu", vocab_size=512,
+                                  pad_token_id=0, intermediate_size=256, num_hidden_layers=1, **layer_fields)
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.architectures == SHAPES[shape]["architectures"]
+    assert cfg.max_position_embeddings == SHAPES[shape]["max_position_embeddings"]
+    with build_llm(path, max_model_len=8192) as llm:
+        out = llm.generate([random_prompt(5000, seed=980, high=512)], _greedy(), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == DECODE
