@@ -87,7 +87,7 @@ def generate_with_logits(llm, prompts, max_tokens):
     return [done[i] for i in ids], recorder.per_request(ids)
 
 
-ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2")  # conftest fixtures f"{arch}_dir"
+ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2", "glm", "glm4", "phi3_4k")  # conftest fixtures f"{arch}_dir"
 
 
 class StepRecorder:

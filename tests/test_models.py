@@ -1,4 +1,5 @@
-"""The four supported architectures against transformers, float32 on the CPU.
+"""The supported architectures against transformers, float32 on the CPU (GLM and Phi-3 in
+more settings: tests/test_families.py).
 
 For each tiny random checkpoint (see conftest.py): prefill logits match transformers' logits,
 greedy decoding matches ``generate(do_sample=False)``, a mixed-length batch decodes exactly like
@@ -168,7 +169,8 @@ def test_unsupported_architecture_lists_supported(unsupported_dir):
     with pytest.raises(ValueError, match=r"FancyNewForCausalLM") as info:
         build_llm(unsupported_dir)
     message = str(info.value)
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                 "Phi3ForCausalLM"):
         assert arch in message
 
 

@@ -50,7 +50,7 @@ class LLMEngine:
             kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"], revision, download_dir)
         config = Config(model, **kwargs)
         tokenizer = load_tokenizer(config)
-        config.eos_token_ids = eos_token_ids(model, tokenizer)
+        config.eos_token_ids = eos_token_ids(model, tokenizer, config.hf_config)
         self._start(config, tokenizer, spawned_replica=None)
 
     @classmethod

@@ -311,6 +311,67 @@ def test_apply_rotary_kv_store_equals_rotary_then_store_kvcache(dtype):
     assert fused.isnan().sum() == (8 * 256 - (slots >= 0).sum()) * 2 * 8 * dim
 
 
+def _rope_case(shape: str, dtype, tokens: int):
+    """The RoPE table and q/k/v of a real model's heads, the table built by RotaryEmbedding:
+    GLM-4-9B-chat-1m (32 q / 4 kv heads x 128, the first 64 dims rotated in interleaved pairs,
+    theta 1e8) or Phi-3-mini-128k (32 / 32 heads x 96, LongRoPE: an 8K engine past the original
+    4K context takes the long factors and the attention factor sqrt(1 + ln 32 / ln 4096))."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    if shape == "glm":
+        heads_q, heads_kv, dim, interleaved = 32, 4, 128, True
+        params = {"rope_type": "default", "rope_theta": 1e8, "partial_rotary_factor": 0.5}
+    else:
+        heads_q, heads_kv, dim, interleaved = 32, 32, 96, False
+        params = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0,
+                  "short_factor": (1 + 2 * torch.rand(48, generator=gen)).sort().values.tolist(),
+                  "long_factor": (1 + 63 * torch.rand(48, generator=gen)).sort().values.tolist(),
+                  "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    rope = RotaryEmbedding(dim, 8192, params, interleaved).to(DEVICE)
+    qkv = torch.randn(tokens, (heads_q + 2 * heads_kv) * dim, device=DEVICE).mul_(4).to(dtype)
+    q, k, v = (qkv[:, a * dim:b * dim].view(tokens, -1, dim)
+               for a, b in ((0, heads_q), (heads_q, heads_q + heads_kv), (heads_q + heads_kv, heads_q + 2 * heads_kv)))
+    return rope.cos_sin_cache, interleaved, q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", ["glm", "phi3"])
+def test_apply_rotary_partial_interleaved_longrope_matches_reference(dtype, shape):
+    """GLM's partial interleaved RoPE and Phi-3's LongRoPE table against the reference, the
+    dims past the rotary ones passed through unchanged, and the fused store writing what
+    store_kvcache writes (256-token blocks, padding slots of -1 skipped)."""
+    tokens = 333
+    cache, interleaved, q, k, v = _rope_case(shape, dtype, tokens)
+    rot = 2 * cache.shape[2]
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    got = apply_rotary(positions, q, k, cache, interleaved=interleaved)
+    for x, a, b in zip((q, k), got, apply_rotary_ref(positions, q, k, cache, interleaved=interleaved)):
+        assert_close(a, b, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert torch.equal(a[..., rot:], x[..., rot:])
+    slots = torch.randperm(8 * 256, device=DEVICE)[:tokens].int()
+    slots[::7] = -1
+    fused, separate = (torch.full((2, 8, 256, k.shape[1], k.shape[2]), float("nan"), dtype=dtype, device=DEVICE)
+                       for _ in range(2))
+    stored = apply_rotary(positions, q, k, cache, None, KVStore(v, fused[0], fused[1], slots), interleaved)
+    assert all(torch.equal(a, b) for a, b in zip(stored, got))
+    store_kvcache(got[1], v, separate[0], separate[1], slots)
+    assert torch.equal(fused.nan_to_num(7.0), separate.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_interleaved_with_qk_norm_matches_reference(dtype):
+    """The fused per-head norm with a partial interleaved rotation (GLM's heads): the norm covers
+    every dim of the head, the rotation only the first half."""
+    tokens = 333
+    cache, _, q, k, _ = _rope_case("glm", dtype, tokens)
+    qk_norm = ((torch.rand(128, device=DEVICE) + 0.5).to(dtype), (torch.rand(128, device=DEVICE) + 0.5).to(dtype), 1e-6)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    expected = apply_rotary_ref(positions, q, k, cache, qk_norm, interleaved=True)
+    for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm, interleaved=True), expected):
+        assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def _silu_tolerance(dtype):
     """Relative bound of the kernel vs :func:`silu_and_mul_ref`: one unit in the last place (2u,
     u the unit roundoff) for bfloat16/float16; for float32 the GPU's approximate exp2 and division
