@@ -1,4 +1,4 @@
-"""The Llama-family decoder shared by Llama (2/3, SmolLM2, Mistral without sliding window),
+"""The Llama-family decoder shared by Llama (2/3, SmolLM2, Mistral with its sliding window),
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm), with tensor-parallel layers."""
 import functools
 
@@ -12,6 +12,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from nanovllm.models.registry import register_model
+from nanovllm.models.sliding_window import layer_sliding_windows
 
 
 def _head_dim(config) -> int:
@@ -94,6 +95,8 @@ class DecoderModel(nn.Module):
         rotary_emb = RotaryEmbedding(_head_dim(config), max_position, rope_parameters(config))
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
+        for layer, window in zip(self.layers, layer_sliding_windows(config, max_position)):
+            layer.self_attn.attn.sliding_window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,8 @@ def kept_block_lists_ref(mask: torch.Tensor, block_size: int, seq_q: int, seq_k:
     return BlockLists(*_listed(full), *_listed(mask & ~full))
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "offset", "seq_k", "window", "stride_mh", "stride_mq", "stride_ch", "stride_ih",
-                                "stride_iq"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "offset", "seq_k", "window", "stride_mh", "stride_mq", "stride_ch",
+                                "stride_ih", "stride_iq"])
 def _kept_block_lists_kernel(
     mask_ptr, full_count_ptr, full_index_ptr, count_ptr, index_ptr, n_q, n_k, offset, seq_k, window,
     stride_mh, stride_mq, stride_ch, stride_ih, stride_iq,

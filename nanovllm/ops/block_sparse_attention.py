@@ -134,9 +134,9 @@ def _bsa_tile(
     """One online-softmax step (FlashAttention-2) over tile t of a block list: tile ``t % TILES``
     of key block ``block`` (= ``index[t // TILES]``). Unmasked: every key is visible to every row
     (a *full* block). MASKED: keys >= key_end and, if causal, keys past a row's position ``q_pos``
-    (WINDOWED: and keys at or before ``q_pos - window``) are hidden. Also loads and returns the block index of tile t + 1 (0 past the list), so its
-    global-memory latency overlaps this tile: read at its own tile, it stalled every tile (13% of
-    the kernel time at density 0.5 on the H200)."""
+    (WINDOWED: and keys at or before ``q_pos - window``) are hidden. Also loads and returns the
+    block index of tile t + 1 (0 past the list), so its global-memory latency overlaps this tile:
+    read at its own tile, it stalled every tile (13% of the kernel time at density 0.5 on the H200)."""
     TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     next_block = tl.load(index_row + (t + 1) // TILES, mask=t + 1 < tiles, other=0)
     pos0 = block * BLOCK_SIZE + (t % TILES) * BLOCK_N
@@ -193,8 +193,8 @@ def _bsa_list(
                                "stride_lh"])
 def _bsa_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, count_ptr, index_ptr, full_count_ptr, full_index_ptr, out_ptr, lse_ptr,
-    seq_q, seq_k, offset, window, scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os,
-    stride_oh, stride_ch, stride_ih, stride_iq, stride_lh,
+    seq_q, seq_k, offset, window, scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_os, stride_oh, stride_ch, stride_ih, stride_iq, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, WINDOWED: tl.constexpr,
@@ -277,8 +277,8 @@ def _bsa_triton(q, k, v, mask, block_size, scale, causal, window=None):
     k_desc, v_desc = _kv_descriptors(k, v, block_n)
     _bsa_kernel[(cdiv(seq_q, block_m), heads_q)](
         q, k, v, k_desc, v_desc, count, index, full_count, full_index, out, lse, seq_q, seq_k, seq_k - seq_q,
-        window or 0, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), count.stride(0), index.stride(0), index.stride(1), lse.stride(0),
+        window or 0, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), count.stride(0), index.stride(0), index.stride(1), lse.stride(0),
         GROUP=heads_q // heads_kv, HEAD_DIM=dim, BLOCK_D=block_dim(dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=bool(causal), TMA=k_desc is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda,
