@@ -248,3 +248,58 @@ def test_blocks_before_the_window_are_released_and_stay_reusable(mistral_dir):
     assert without == -(-(600 + steps - 1) // BLOCK) == 7
     assert stats_a["released_blocks"] == (600 + steps - 1 - SLIDING_WINDOW + 1) // BLOCK
     assert stats_b["released_blocks"] == 0
+
+
+def _seq(token_ids):
+    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.sequence import Sequence
+
+    return Sequence(token_ids, SamplingParams(temperature=0.0), BLOCK)
+
+
+def test_block_manager_releases_only_blocks_no_query_sees_and_keeps_them_cached():
+    """A sequence at its next query position c releases the blocks wholly before c - W + 1, in
+    either tier, once they are committed; a block another sequence shares stays held; released
+    blocks keep their registration (a later prompt hits them) until their memory is reused; the
+    sequence's tables hold RELEASED there, and freeing it frees the rest exactly once."""
+    from nanovllm.kvcache.block_manager import RELEASED, BlockManager
+
+    bm = BlockManager(8, BLOCK, num_host_blocks=4, release_window=SLIDING_WINDOW)
+    prompt = random_prompt(3 * BLOCK + 60, seed=430)
+    a = _seq(prompt)
+    bm.allocate(a)
+    assert bm.ensure_writable(a, 2 * BLOCK) == 2 * BLOCK
+    a.num_computed_tokens = 2 * BLOCK
+    bm.commit(a)  # next query at 512: sees 213.., block 0 is partly visible
+    assert RELEASED not in a.block_table
+    b = _seq(prompt[:BLOCK] + [5] * 40)  # shares a's block 0
+    bm.allocate(b)
+    assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == BLOCK
+    shared = bm.gpu.blocks[a.block_table[0]]
+    assert bm.ensure_writable(a, BLOCK + 60) == BLOCK + 60
+    a.num_computed_tokens = len(a)
+    bm.commit(a)  # next query at 828: sees 529.., blocks 0 and 1 wholly before it
+    assert a.block_table[:2] == a.host_block_table[:2] == [RELEASED, RELEASED]
+    assert bm.usage()["released_blocks"] == 2
+    assert shared.ref_count == 1, "b still holds block 0"
+    free = bm.gpu.num_free
+    again = _seq(prompt[:2 * BLOCK] + [6] * 3)
+    assert bm.can_allocate(again)
+    bm.allocate(again)
+    assert again.num_cached_tokens == 2 * BLOCK, "the released block 1 is still registered"
+    assert bm.gpu.num_free == free - 1
+    for seq in (a, b, again):
+        bm.deallocate(seq)
+    assert bm.gpu.num_free == 8 and bm.host.num_free == 4 and bm.num_free_blocks == 12
+
+
+def test_block_manager_without_a_window_releases_nothing():
+    from nanovllm.kvcache.block_manager import RELEASED, BlockManager
+
+    bm = BlockManager(8, BLOCK)
+    a = _seq(random_prompt(3 * BLOCK + 10, seed=431))
+    bm.allocate(a)
+    bm.ensure_writable(a, len(a))
+    a.num_computed_tokens = len(a)
+    bm.commit(a)
+    assert RELEASED not in a.block_table and bm.usage()["released_blocks"] == 0
