@@ -82,7 +82,8 @@ class Config:
         tokenizer: directory (or Hub id, resolved as ``model`` is) of the tokenizer; None: ``model``
             (vLLM's ``tokenizer``).
         trust_remote_code: passed to transformers when loading the tokenizer (vLLM's name); the
-            model itself always runs nanovllm's own code (Llama, Qwen2, Qwen3).
+            model itself always runs nanovllm's own code (Llama, Mistral with its sliding window,
+            Qwen2, Qwen3).
         enable_prefix_caching: vLLM's switch; prefix caching is part of nanovllm's KV cache and
             always on, so only True (the default) is accepted.
         max_num_batched_tokens: token budget of one prefill step (>= 1); longer prompts are
@@ -219,7 +220,6 @@ class Config:
                            self.max_model_len, self.hf_config.max_position_embeddings,
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
-        self._check_sliding_window()
         self._check_parallel()
         self._check_async_scheduling()
 
@@ -235,15 +235,6 @@ class Config:
         if self.async_scheduling and blockers:
             raise ValueError(f"async_scheduling=True does not support {', '.join(blockers)}; "
                              f"use async_scheduling=False or None")
-
-    def _check_sliding_window(self):
-        """A sliding window is not implemented: a model whose window is shorter than
-        ``max_model_len`` would attend to keys it must not see past the window."""
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window is not None and window < self.max_model_len:
-            arch = (getattr(self.hf_config, "architectures", None) or ["this model"])[0]
-            raise ValueError(f"{arch} has sliding_window={window} < max_model_len={self.max_model_len}: sliding-window "
-                             f"attention is not supported; use max_model_len <= {window}")
 
     def _check_offload(self):
         if self.num_gpu_blocks is not None:

@@ -5,6 +5,7 @@ import torch
 
 VOCAB_SIZE = 2048
 EOS_ID = 2
+SLIDING_WINDOW = 300  # the window of the sliding-window checkpoints: its edge falls inside a 256-token block
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; "</s>" is EOS_ID
 
 ENGINE_DEFAULTS = dict(max_model_len=1024, num_kvcache_blocks=32, kvcache_block_size=256,

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from _util import EOS_ID, SPECIAL_TOKENS, VOCAB_SIZE, build_llm
+from _util import EOS_ID, SLIDING_WINDOW, SPECIAL_TOKENS, VOCAB_SIZE, build_llm
 
 MAX_POSITIONS = 4096
 
@@ -197,6 +197,29 @@ def phi3_4k_dir(tmp_path_factory):
                             num_attention_heads=4, num_key_value_heads=4,
                             original_max_position_embeddings=MAX_POSITIONS, rope_scaling=_longrope(24, 7),
                             sliding_window=None, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory):
+    """Mistral: a sliding window of 300 tokens in every layer, GQA 2:1, head_dim 32, untied."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("mistral"), MistralConfig, MistralForCausalLM, 5,
+                            hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def qwen2_mixed_dir(tmp_path_factory):
+    """Qwen2 with use_sliding_window and max_window_layers=1: layer 0 full attention, layers 1-2
+    a 300-token window; GQA 2:1, head_dim 32, qkv bias."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save_checkpoint(tmp_path_factory.mktemp("qwen2_mixed"), Qwen2Config, Qwen2ForCausalLM, 6,
+                            hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                            sliding_window=SLIDING_WINDOW, max_window_layers=1, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -45,12 +45,12 @@ class _Row:
     blocks the policy picks for it per layer (its ``max_decode_picks``; 0 when it does not choose)
     and the unwritten tokens of its last block."""
 
-    __slots__ = ("gpu_table", "host_table", "fixed", "choosing", "max_picks", "free_tokens")
+    __slots__ = ("gpu_table", "host_table", "fixed", "choosing", "max_picks", "free_tokens", "skip")
 
     def __init__(self, gpu_table: list[int], host_table: list[int], length: int, fixed: list[int], choosing: int,
-                 max_picks: int, block_size: int):
+                 max_picks: int, block_size: int, skip: int = 0):
         self.gpu_table, self.host_table, self.fixed, self.choosing = gpu_table, host_table, fixed, choosing
-        self.max_picks = max_picks
+        self.max_picks, self.skip = max_picks, skip
         self.free_tokens = len(gpu_table) * block_size - length
 
     def num_reads(self) -> int:
@@ -101,7 +101,10 @@ class DecodeSelection:
 
     Attributes:
         blocks: the candidates of the choosing sequences (``nanovllm.sparse.DecodeBlocks``).
-        fixed_loads: ``(batch row, host block)`` every layer reads whatever the query, in order.
+        fixed_loads: ``(batch row, host block)`` every layer reads whatever the query, in order;
+            fixed_skips: for each, the tokens before the sliding window (its first block's).
+        starts: int32 ``[B]`` device tensor, the tokens before the window at the head of each row's
+            table (its first block, when read in place); None without a window.
         groups: None when one gather and one paged read serve the batch; else each group of
             choosing sequences as ``(group index, batch rows)`` (an int64 device tensor; the
             sequences that do not choose with group 0).
@@ -114,6 +117,9 @@ class DecodeSelection:
         self.block_size, self.device = block_size, device
         self.fixed_loads = [(r, row.host_table[j]) for r, row in enumerate(rows) for j in row.fixed
                             if row.gpu_table[j] == NO_BLOCK]
+        self.fixed_skips = [row.skip if j == 0 else 0 for row in rows for j in row.fixed
+                            if row.gpu_table[j] == NO_BLOCK]
+        self.starts = None
         self.num_host_blocks = sum(h != NO_BLOCK for row in rows for h in row.host_table)
         self.picks: list[torch.Tensor] = []
         self.width = max(len(rows[r].gpu_table) for r in choosing)
@@ -122,20 +128,24 @@ class DecodeSelection:
     @classmethod
     def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
               num_gpu_blocks: int, block_size: int, device: torch.device,
-              reuse: ReuseCache | None = None) -> "DecodeSelection | None":
+              reuse: ReuseCache | None = None, skips: list[int] | None = None) -> "DecodeSelection | None":
         """The step's selection, or None when the policy selects for no sequence.
 
         Args:
-            tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``.
+            tables: per sequence of the batch, ``(GPU-tier table, host-tier table, length)``; with a
+                sliding window, from the window's first block (the policy chooses among those:
+                the first of them is its first block).
             layout: the rows of the GPU tier (``tier_rows.py``).
             num_gpu_blocks: GPU-tier blocks (host block ``h`` has metadata slot
                 ``num_gpu_blocks + h``).
             reuse: the reuse cache, whose victims this step takes.
+            skips: with a sliding window, each sequence's tokens of its first block before the
+                window (read from the next; None: no window).
         """
         if not policy.chooses_decode_blocks:
             return None
         rows, choosing = [], []
-        for gpu_table, host_table, length in tables:
+        for r, (gpu_table, host_table, length) in enumerate(tables):
             n = len(gpu_table)
             if gpu_table[-1] == NO_BLOCK:
                 raise RuntimeError(f"the block a decode step writes (block {n - 1}) must be in the GPU tier, "
@@ -143,12 +153,16 @@ class DecodeSelection:
             selects = policy.selects(n)
             fixed = sorted(set(policy.fixed_decode_blocks(n)) | {n - 1}) if selects else list(range(n))
             rows.append(_Row(gpu_table, host_table, length, fixed, len(choosing) if selects else -1,
-                             policy.max_decode_picks(n - len(fixed)) if selects else 0, block_size))
+                             policy.max_decode_picks(n - len(fixed)) if selects else 0, block_size,
+                             skips[r] if skips else 0))
             if selects:
                 choosing.append(len(rows) - 1)
         if not choosing:
             return None
         selection = cls(rows, choosing, layout, num_gpu_blocks, block_size, device)
+        if skips is not None:
+            selection.starts = to_device([row.skip if row.gpu_table[0] != NO_BLOCK else 0 for row in rows],
+                                         torch.int32, device)
         selection._upload(policy, reuse)
         return selection
 

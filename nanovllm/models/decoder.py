@@ -1,5 +1,5 @@
 """The Llama-layout decoder shared by every supported family, with tensor-parallel layers:
-Llama (2/3, SmolLM2, Mistral without sliding window), Qwen2 (qkv bias), Qwen3 (per-head q/k
+Llama (2/3, SmolLM2, Mistral with its sliding window), Qwen2 (qkv bias), Qwen3 (per-head q/k
 RMSNorm) here; GLM / GLM-4 (``glm.py``) and Phi-3 (``phi3.py``) declare their differences as a
 :class:`Family`."""
 import functools
@@ -15,6 +15,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from nanovllm.models.registry import register_model
+from nanovllm.models.sliding_window import layer_sliding_windows
 
 
 def _head_dim(config) -> int:
@@ -133,6 +134,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(_head_dim(config), max_position, rope_parameters(config), family.rope_interleaved)
         self.layers = nn.ModuleList(DecoderLayer(config, family, rotary_emb) for _ in range(config.num_hidden_layers))
+        for layer, window in zip(self.layers, layer_sliding_windows(config, max_position)):
+            layer.self_attn.attn.sliding_window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

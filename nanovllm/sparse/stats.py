@@ -4,10 +4,10 @@ pipeline count, the policy only chooses).
 - **compute density** (prefill): kept / causally visible sparse blocks (``sparse_block_size``
   tokens, 128 by default), counted over heads and query blocks. Policies whose prefill attends to
   every visible key (FULL, QUEST) report 1.0 without counting.
-- **density** (decode, a policy that chooses decode blocks: QUEST): KV blocks read / KV blocks of
-  the sequences' contexts, both tiers, per layer and sequence: the share of the KV that decode
-  reads (a sequence the policy does not select for reads all of its blocks). Policies that read
-  every block in decode report 1.0 without counting.
+- **density** (decode, a policy that chooses decode blocks: QUEST, or a model with sliding
+  windows): KV blocks read / KV blocks of the sequences' contexts, both tiers, per layer and
+  sequence: the share of the KV that decode reads (a sequence the policy does not select for reads
+  all of its blocks in its layer's window). Otherwise every block is read: 1.0 without counting.
 - **communication density** (host tier, prefill and decode): host-tier blocks read (keys and
   values) / host-tier blocks the attention could have read, per layer. Prefill reads every host
   block of a sequence's context (1.0); QUEST's decode reads its selection, less the blocks found

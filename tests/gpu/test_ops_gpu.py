@@ -441,3 +441,119 @@ def test_decode_attention_cuda_graph_replay(return_lse):
             out = result
         assert_close(out, ref)
         assert (out[::9] == 0).all()
+
+
+# ---------------------------------------------------------------- sliding windows
+def windowed_tables(contexts, tables, window):
+    """The decode rows of a sliding window (as ``kvcache/window.py`` builds them): each table from the
+    window's first block, its tokens from there and its start (tokens of that block before the window)."""
+    cut, lens, starts = torch.full_like(tables, -1), [], []
+    for b, n in enumerate(contexts):
+        first = max(0, n - window) if n else 0
+        fb = first // BLOCK_SIZE
+        cut[b, :tables.shape[1] - fb] = tables[b, fb:]
+        lens.append(n - fb * BLOCK_SIZE)
+        starts.append(first - fb * BLOCK_SIZE)
+    return (cut, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            torch.tensor(starts, dtype=torch.int32, device=DEVICE))
+
+
+def poison_before_windows(cache, contexts, tables, window):
+    """NaN in every slot before a row's window: a kernel that read one would show it."""
+    for b, n in enumerate(contexts):
+        pos = torch.arange(max(0, n - window), device=DEVICE)
+        cache[tables[b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("window,batch,max_context", [(4096, 1, 32768), (4096, 37, 20000), (300, 256, 4096),
+                                                      (1000, 64, 8192)])
+def test_decode_attention_in_a_window_matches_reference(dtype, num_splits, window, batch, max_context):
+    """Tables cut to each window's blocks, ``context_starts`` inside the first; every slot before a
+    window is NaN (never read), rows with no context give 0 and lse -inf."""
+    contexts = torch.randint(1, max_context + 1, (batch,)).tolist()
+    contexts[0] = max_context
+    if batch > 2:
+        contexts[1], contexts[2] = 0, window - 1
+    k_cache, v_cache, tables = paged_cache(contexts, 8, 128, dtype)
+    poison_before_windows(k_cache, contexts, tables, window)
+    cut, lens, starts = windowed_tables(contexts, tables, window)
+    q = torch.randn(batch, 32, 128, device=DEVICE).to(dtype)
+    out, lse = decode_attention(q, k_cache, v_cache, cut, lens, 128**-0.5, num_splits=num_splits, return_lse=True,
+                                context_starts=starts)
+    ref, ref_lse = decode_attention_ref(q, k_cache, v_cache, cut, lens, 128**-0.5, return_lse=True,
+                                        context_starts=starts)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    live = lens > 0
+    assert_close(lse[live], ref_lse[live], rel=1e-4, atol=1e-3)
+    if batch > 2:
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_decode_attention_in_a_window_cuda_graph_replay():
+    """Captured with window buffers (tables as wide as the window's span), replayed on new rows."""
+    batch, window = 64, 4096
+    width = (window + BLOCK_SIZE - 2) // BLOCK_SIZE + 1
+    k_cache, v_cache, _ = paged_cache([64 * BLOCK_SIZE] * 2, 8, 128, torch.bfloat16)
+    q = torch.randn(batch, 32, 128, device=DEVICE).bfloat16()
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    starts = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts)
+    for _ in range(2):
+        contexts = torch.randint(1, 40000, (batch,)).tolist()
+        full = torch.randint(0, k_cache.shape[0], (batch, 160), dtype=torch.int32, device=DEVICE)
+        cut, new_lens, new_starts = windowed_tables(contexts, full, window)
+        q.copy_(torch.randn_like(q))
+        tables.copy_(cut[:, :width])
+        lens.copy_(new_lens)
+        starts.copy_(new_starts)
+        graph.replay()
+        assert_close(out, decode_attention_ref(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [300, 4096])
+@pytest.mark.parametrize("seqlens_q,prefixes", [([1000, 37, 1024, 1, 2048, 0], [0, 700, 7000, 8190, 1500, 300]),
+                                                ([8192], [0]), ([2000], [6000])])
+def test_prefill_attention_in_a_window_matches_reference(dtype, window, seqlens_q, prefixes):
+    """bf16: one varlen FlashAttention-2 launch with its window (which must not fail); float32: query
+    tiles through SDPA; the cached slots before every chunk's window are NaN."""
+    seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
+    k_cache, v_cache, tables = paged_cache(seqlens_k, 8, 128, dtype)
+    for b, p in enumerate(prefixes):
+        pos = torch.arange(max(0, p - window + 1), device=DEVICE)
+        k_cache[tables[b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE] = float("nan")
+    q = torch.randn(sum(seqlens_q), 32, 128, device=DEVICE).to(dtype)
+    k = torch.randn(sum(seqlens_q), 8, 128, device=DEVICE).to(dtype)
+    v = torch.randn(sum(seqlens_q), 8, 128, device=DEVICE).to(dtype)
+    store_kvcache(k, v, k_cache, v_cache, new_token_slots(seqlens_q, prefixes, tables))
+    out = prefill_attention(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables, sliding_window=window)
+    ref = prefill_attention_ref(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables,
+                                sliding_window=window)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert not prefill_module._varlen_failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [1, 300, 4096])
+def test_block_sparse_attention_in_a_window_matches_reference(dtype, window):
+    """Blocks kept at random (each query block's diagonal kept): the window drops blocks before it
+    and masks the keys across its edge, in the kernel as in the reference."""
+    from nanovllm.ops import block_sparse_attention, block_sparse_attention_ref
+
+    seq_q, seq_k, block = 4096, 8192, 128
+    q = torch.randn(seq_q, 32, 128, device=DEVICE).to(dtype)
+    k, v = (torch.randn(seq_k, 8, 128, device=DEVICE).to(dtype) for _ in range(2))
+    mask = torch.rand(32, seq_q // block, seq_k // block, device=DEVICE) < 0.5
+    diagonal = torch.arange(seq_q // block, device=DEVICE)
+    mask[:, diagonal, diagonal + (seq_k - seq_q) // block] = True
+    out, lse = block_sparse_attention(q, k, v, mask, block, 128**-0.5, window=window)
+    ref, ref_lse = block_sparse_attention_ref(q, k, v, mask, block, 128**-0.5, window=window)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert_close(lse, ref_lse, rel=1e-4, atol=1e-3)
