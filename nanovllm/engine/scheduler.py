@@ -5,7 +5,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.stopping import check_stop, may_stop_on_token, reaches_length_limit
-from nanovllm.kvcache.block_manager import BlockManager
+from nanovllm.kvcache.block_manager import BlockManager, BlockMove
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ class Scheduler:
     steps (only the head of the waiting queue can be part-way). Otherwise all running sequences
     decode one token. The block manager spills cold blocks to the host tier to make GPU room; when
     both tiers are full, the most recently admitted running sequence is preempted and later
-    recomputed. The spills decided for a step go to the model runner with it (:meth:`take_spills`).
+    recomputed. The moves between the tiers decided for a step go to the model runner with it
+    (:meth:`take_moves`).
 
     With async scheduling, :meth:`schedule_decode_ahead` and :meth:`schedule_prefill_ahead`
     schedule the step after one still running on the device, before its tokens are known
@@ -58,9 +59,10 @@ class Scheduler:
             return scheduled, True
         return self._schedule_decode(), False
 
-    def take_spills(self) -> list[tuple[int, int]]:
-        """The ``(GPU block, host block)`` copies the last :meth:`schedule` decided."""
-        return self.block_manager.take_spills()
+    def take_moves(self) -> list[BlockMove]:
+        """The copies between the tiers the last scheduling decided (spills, write-backs of evicted
+        prefix-cache blocks, load-backs of host hits: ``nanovllm.kvcache.eviction``)."""
+        return self.block_manager.take_moves()
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled, budget, manager = [], self.max_num_batched_tokens, self.block_manager

@@ -110,7 +110,7 @@ class StepLoop:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
         num_tokens = launched_tokens(seqs, is_prefill)
-        sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_spills())
+        sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_moves())
         if self.overlap:
             self.in_flight = InFlightStep(seqs, is_prefill, sampled)
             return finished, num_tokens
@@ -128,7 +128,7 @@ class StepLoop:
         """Launch ``batch``, the step after ``previous``, before reading ``previous`` (a decode
         step's input ids are ``previous``'s tokens on the device)."""
         input_ids = None if previous.is_prefill else previous.input_ids(batch)
-        sampled = self.runner.run(batch, previous.is_prefill, self.generators, self.scheduler.take_spills(),
+        sampled = self.runner.run(batch, previous.is_prefill, self.generators, self.scheduler.take_moves(),
                                   input_ids)
         return InFlightStep(batch, previous.is_prefill, sampled)
 
