@@ -124,25 +124,37 @@ class Scheduler:
         that cannot be done without those tokens.
 
         Possible only when nothing waits (so ``running`` is the unfinished ``seqs`` and no
-        admission is due) and the step's new blocks can be placed without a preemption or a
-        dropped cached prefix while the sequences stopping in ``seqs`` still hold theirs. Then the
-        tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every unfinished
-        sequence of ``seqs`` that does not reach its length limit with them; one that stops on its
-        token (eos, stop id, stop string) is computed once more, and that result is dropped.
+        admission is due) and the step's new blocks can be placed without a preemption, either
+        (a) with no move between the tiers and no cached prefix dropped, while the sequences
+        stopping in ``seqs`` still hold their blocks, or (b) with a host tier, with moves (spills,
+        write-backs) when no sequence of ``seqs`` can finish with its token (by length or by its
+        value): postprocessing then frees nothing, so the synchronous loop makes the same moves
+        (the blocks ``seqs`` fill become spill candidates here, as their commit would make them). Then the tokens of ``seqs`` get placeholders (:meth:`_advance`) and the
+        step is every unfinished sequence of ``seqs`` that does not reach its length limit with
+        them; one that stops on its token (eos, stop id, stop string) is computed once more, and
+        that result is dropped.
         """
         if self.waiting:
             return None
         live = [seq for seq in seqs if not seq.is_finished]  # those that stopped in the step before are done
         batch = [seq for seq in live if not reaches_length_limit(seq, self.max_model_len, 1)]
         # the step writes position num_computed_tokens + 1: a new block when no block holds it yet
-        block_size = self.block_manager.block_size
-        new_blocks = sum(len(seq.block_table) * block_size <= seq.num_computed_tokens + 1 for seq in batch)
-        if not batch or not self.block_manager.can_place_blank(new_blocks):
+        manager = self.block_manager
+        new_blocks = sum(len(seq.block_table) * manager.block_size <= seq.num_computed_tokens + 1 for seq in batch)
+        if not batch:
             return None
+        filled = []
+        if not manager.can_place_blank(new_blocks):
+            # postprocessing would commit the blocks ``seqs`` fill (the warmest spill candidates)
+            filled = [b for seq in live for b in manager.filled_ahead(seq, seq.num_computed_tokens + 1)]
+            if len(batch) < len(live) or any(may_stop_on_token(seq, self.eos_token_ids) for seq in live) \
+                    or not manager.can_place(new_blocks, len(filled)):
+                return None
         for seq in live:
             self._advance(seq, sampled=True)
+        manager.add_candidates(filled)
         for seq in batch:
-            self.block_manager.ensure_writable(seq, 1)
+            manager.ensure_writable(seq, 1)
             seq.schedule(1)
         return longest_first(batch)
 

@@ -163,12 +163,26 @@ class BlockManager:
         loop would not)."""
         return num_blocks <= self.num_free_blocks and self.gpu.takes_are_blank(num_blocks)
 
-    def can_place(self, num_blocks: int) -> bool:
+    def can_place(self, num_blocks: int, new_candidates: int = 0) -> bool:
         """Whether ``num_blocks`` new blocks for sequences without reservations can be placed now
         without a preemption: the GPU tier's free blocks first (writing back what they hold),
-        then a spill per block."""
+        then a spill per block, from the spill candidates and ``new_candidates`` more."""
         spills = max(0, num_blocks - self.gpu.num_free)
-        return num_blocks <= self.num_free_blocks and self.tiers.can_spill(spills)
+        return num_blocks <= self.num_free_blocks and self.tiers.can_spill(spills, new_candidates)
+
+    def filled_ahead(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """``(logical index, GPU block)`` of the blocks of ``seq`` other than its first that are
+        full once its first ``num_tokens`` tokens are computed and that :meth:`commit` has not
+        reached (async scheduling: blocks the step still running fills)."""
+        done = self._committed[seq.seq_id][0]
+        return [(i, seq.block_table[i]) for i in range(max(done, 1), num_tokens // self.block_size)
+                if seq.block_table[i] != NO_BLOCK]
+
+    def add_candidates(self, blocks: list[tuple[int, int]]):
+        """Blocks from :meth:`filled_ahead` become spill candidates before their commit (which
+        then touches them again, in the same order: the synchronous loop's candidates)."""
+        for index, gpu_id in blocks:
+            self.placement.add(gpu_id, index)
 
     def take_moves(self) -> list[BlockMove]:
         """The moves between the tiers decided since the last call, in order (``eviction.py``);

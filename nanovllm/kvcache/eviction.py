@@ -88,10 +88,10 @@ class TierMoves:
         self.index[src.hash] = dst
         src.unlink()
 
-    def can_spill(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` spills in a row can be made now (each needs a candidate and a
-        free host block)."""
-        return num_blocks <= min(len(self.placement), self.host.num_free)
+    def can_spill(self, num_blocks: int, new_candidates: int = 0) -> bool:
+        """Whether ``num_blocks`` spills in a row can be made now, with ``new_candidates`` more
+        spill candidates than the rule holds (each spill needs a candidate and a free host block)."""
+        return num_blocks <= min(len(self.placement) + new_candidates, self.host.num_free)
 
     def spill_coldest(self) -> bool:
         """Move the coldest spill candidate to the host tier (False: no candidate, or no free
