@@ -208,3 +208,22 @@ def _merged(ranges):
         else:
             out.append((a, n))
     return out
+
+
+def test_prefix_reuse_benchmark_on_cpu(llama3_dir, capsys):
+    """benchmarks/prefix_reuse.py with tiny sizes: the host tier finds every document again in the
+    second round (recomputed without it), with the same tokens; it prints its JSON report."""
+    import json
+
+    from benchmarks.prefix_reuse import main
+
+    report = main(["--model", llama3_dir, "--device", "cpu", "--dtype", "float32", "--enforce-eager",
+                   "--num-docs", "4", "--doc-len", "512", "--gpu-docs", "2", "--num-rounds", "2",
+                   "--question-len", "16", "--max-tokens", "4"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    assert report["tokens_identical"]
+    host, recompute = report["host"], report["recompute"]
+    assert [r["cached_tokens_mean"] for r in host["rounds"]] == [0, 512]
+    assert recompute["rounds"][1]["cached_tokens_mean"] < 512
+    assert host["kv_cache"]["evicted_blocks"] > 0 and host["kv_cache"]["gpu_blocks_used"] == 0
+    assert report["ttft_speedup_rounds_2_on"] > 0
