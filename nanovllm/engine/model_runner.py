@@ -183,8 +183,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool, generators: dict[int, torch.Generator] | None = None,
             moves: list[BlockMove] = (), input_ids: torch.Tensor | None = None) -> SampledStep | None:
         """One step for ``seqs``, after copying the scheduler's ``moves`` between the tiers
-        (``nanovllm.kvcache.eviction.BlockMove``): a sampled token per sequence (none for an unfinished prefill
-        chunk) and the logprobs asked for, on the device, not waited for. ``input_ids``: int64
+        (``nanovllm.kvcache.eviction.BlockMove``): a sampled token per sequence (none for an
+        unfinished prefill chunk) and the logprobs asked for, on the device, not waited for. ``input_ids``: int64
         ``[len(seqs)]`` on the device, a decode step's inputs instead of the sequences' last
         tokens (async scheduling: the tokens the previous step sampled). Rank 0 samples; spawned
         workers return None."""

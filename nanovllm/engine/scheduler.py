@@ -129,9 +129,9 @@ class Scheduler:
         stopping in ``seqs`` still hold their blocks, or (b) with a host tier, with moves (spills,
         write-backs) when no sequence of ``seqs`` can finish with its token (by length or by its
         value): postprocessing then frees nothing, so the synchronous loop makes the same moves
-        (the blocks ``seqs`` fill become spill candidates here, as their commit would make them). Then the tokens of ``seqs`` get placeholders (:meth:`_advance`) and the
-        step is every unfinished sequence of ``seqs`` that does not reach its length limit with
-        them; one that stops on its token (eos, stop id, stop string) is computed once more, and
+        (the blocks ``seqs`` fill become spill candidates here, as their commit would make them).
+        Then the tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every
+        unfinished sequence of ``seqs`` that does not reach its length limit with them; one that stops on its token (eos, stop id, stop string) is computed once more, and
         that result is dropped.
         """
         if self.waiting:

@@ -52,7 +52,9 @@ class Block:
         self.copy, other.copy = other, self
 
     def take_content(self, other: "Block"):
-        self.hash, self.token_ids, self.content_id, self.parent = other.hash, other.token_ids, other.content_id, other.parent
+        """Hold ``other``'s content (hash, token ids, content id, parent), not its copy link."""
+        self.hash, self.token_ids = other.hash, other.token_ids
+        self.content_id, self.parent = other.content_id, other.parent
 
     def is_registered(self, index: dict[int, "Block"]) -> bool:
         """Whether the index maps this block's hash to this very block."""

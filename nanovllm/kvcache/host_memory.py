@@ -138,8 +138,9 @@ class HostMemory:
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as err:
-            raise RuntimeError(f"cannot allocate pinned host KV cache of 2 x {math.prod(shape) * dtype.itemsize / 2**30:.2f} "
-                               f"GiB {tuple(shape)} (keys, values): {err}") from err
+            nbytes = math.prod(shape) * dtype.itemsize
+            raise RuntimeError(f"cannot allocate pinned host KV cache of 2 x {nbytes / 2**30:.2f} GiB "
+                               f"{tuple(shape)} (keys, values): {err}") from err
 
     # ---- chunks ------------------------------------------------------------------------
     @property

@@ -61,8 +61,8 @@ class HostTier:
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, num_slots: int, chunk_bytes: int | None = None):
-        self.num_layers, self.block_size, self.num_blocks, self.num_slots = num_layers, block_size, num_blocks, num_slots
-        self.device, self.cuda = device, device.type == "cuda"
+        self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
+        self.num_slots, self.device, self.cuda = num_slots, device, device.type == "cuda"
         block_shape = (block_size, num_kv_heads, head_dim)
         self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes)
         self.k_host, self.v_host = self.memory.k, self.memory.v
