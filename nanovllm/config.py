@@ -101,8 +101,8 @@ class Config:
         async_scheduling: overlap the host's scheduling and input preparation of a step (decode,
             or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.step_loop`` says
             when it overlaps). None (default): on where it can be, i.e. on CUDA with
-            ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
-            QUEST, else off; the resolved bool is stored here. True forces it (ValueError where
+            ``tensor_parallel_size`` 1 and a sparse policy that does not choose decode blocks
+            (QUEST does), with or without the host tier, else off; the resolved bool is stored here. True forces it (ValueError where
             unsupported; on CPU nothing overlaps, but the same code path runs, which is what its
             CPU tests use); False is the synchronous loop, for debugging. Outputs are identical
             either way (``tests/gpu/test_async_scheduling_gpu.py``); its gain on ``bench.py``:
@@ -116,13 +116,16 @@ class Config:
         seed: seed of the engine's sampling generator.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
             are spilled to pinned host memory and read back through a GPU ring buffer of
-            ``num_ring_slots`` slots (``docs/kvcache.md``).
+            ``num_ring_slots`` slots; freed prefix-cache blocks the GPU tier reuses are written
+            back there (a second-level prefix cache). Host memory is pinned on demand, in chunks
+            (``docs/kvcache.md``).
         num_ring_slots: ring-buffer slots of the host tier, >= 2 (``num_gpu_blocks`` is its
             deprecated name).
         num_cpu_kvcache_blocks: host-tier blocks; -1 sizes them from ``cpu_memory_utilization`` of
             the available host memory (at most what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens use).
-        cpu_memory_utilization: share of available host memory the host tier may pin, in (0, 1].
+        cpu_memory_utilization: share of available host memory the host tier may use (and pin as
+            it fills), in (0, 1].
         sparse_policy: "FULL" (every block), "QUEST" (decode: top-k blocks by key min/max bounds,
             in both tiers) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al.
             2025; decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
@@ -283,10 +286,10 @@ class Config:
 
 def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
-    as in the ValueError: tensor parallelism, the host KV tier, a policy that chooses decode blocks
-    (its decode steps run eagerly and each step's start records the previous step's picks on the
-    host, which the one-step-ahead loop was not built around)."""
+    as in the ValueError: tensor parallelism, a policy that chooses decode blocks (its decode steps
+    run eagerly and each step's start records the previous step's picks on the host, which the
+    one-step-ahead loop was not built around). The host KV tier runs with it (its moves between the
+    tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``)."""
     return [name for name, on in (
         (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        ("enable_cpu_offload=True", config.enable_cpu_offload),
         (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_blocks)) if on]

@@ -294,21 +294,23 @@ class LLMEngine:
         """The KV cache's tiers as plain ints::
 
             {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used", "spilled_blocks",
-             "prefix_cache_hit_tokens", "released_blocks", "loaded_blocks", "preemptions"}
+             "evicted_blocks", "released_blocks", "loaded_blocks", "host_bytes_pinned", "prefix_cache_hit_tokens",
+             "preemptions"}
 
         ``*_used``: blocks held by live sequences (free blocks holding a cached prefix are not).
-        ``spilled_blocks``: blocks moved from the GPU tier to the host tier since the engine
-        started; ``loaded_blocks``: host-to-GPU reads since then, in blocks of every layer (keys and
-        values); ``prefix_cache_hit_tokens``: prompt tokens found in the prefix cache (either tier);
-        ``released_blocks``: blocks running sequences released before their sliding windows;
-        ``preemptions``: sequences preempted (recomputed later) because both tiers were full.
+        Since the engine started: ``spilled_blocks`` live blocks moved to the host tier,
+        ``evicted_blocks`` freed prefix-cache blocks written back to it when their GPU block was
+        reused, ``released_blocks`` blocks running sequences released before their sliding windows,
+        ``loaded_blocks`` host-to-GPU reads in blocks of every layer (keys and values),
+        ``prefix_cache_hit_tokens`` prompt tokens found in the prefix cache (either tier),
+        ``preemptions`` sequences preempted because both tiers were full. ``host_bytes_pinned``:
+        host memory page-locked now (it grows toward the host tier's capacity as blocks are used).
         Blocks are ``kvcache_block_size`` tokens. With ``tensor_parallel_size > 1``,
-        ``loaded_blocks`` is rank 0's (every rank reads its shard).
-        With ``data_parallel_size > 1``, every value is summed over the replicas (under torchrun
-        every rank must call this: it gathers from every replica).
+        ``loaded_blocks`` and ``host_bytes_pinned`` are rank 0's; with ``data_parallel_size > 1``
+        every value is summed over the replicas (under torchrun every rank must call this).
         """
         self._check_open()
-        stats = {**self.scheduler.block_manager.usage(), "loaded_blocks": self.model_runner.cache.loaded_blocks(),
+        stats = {**self.scheduler.block_manager.usage(), **self.model_runner.cache.usage(),
                  "preemptions": self.scheduler.num_preemptions}
         if self._replicas is None:
             return stats

@@ -81,6 +81,10 @@ class QuestPolicy(SparsePolicy):
         for bounds in (self.kmin, self.kmax):
             bounds[:, self.num_gpu_blocks + host_ids] = bounds[:, gpu_ids]
 
+    def on_load(self, host_ids: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        for bounds in (self.kmin, self.kmax):
+            bounds[:, gpu_ids] = bounds[:, self.num_gpu_blocks + host_ids]
+
     def selects(self, num_blocks: int) -> bool:
         return num_blocks > self.threshold_blocks and num_blocks > self.topk_blocks + 3
 
