@@ -145,8 +145,8 @@ def test_command_line_runs_lm_eval_with_the_backend(smollm2_dir, tasks, tmp_path
     """``python -m nanovllm.integrations.lm_eval`` takes lm-eval's own arguments."""
     out = subprocess.run(
         [sys.executable, "-m", "nanovllm.integrations.lm_eval", "--model", "nanovllm", "--model_args",
-         f"pretrained={smollm2_dir},dtype=float32,device=cpu,enforce_eager=True,max_model_len=1024,"
-         "num_kvcache_blocks=8", "--tasks", "nano_mc", "--include_path", str(tasks), "--limit", "4",
+         f"pretrained={smollm2_dir},dtype=float32,enforce_eager=True,max_model_len=1024,num_kvcache_blocks=8",
+         "--device", "cpu", "--tasks", "nano_mc", "--include_path", str(tasks), "--limit", "4",
          "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
