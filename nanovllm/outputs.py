@@ -1,6 +1,6 @@
 """What ``LLM.generate`` and ``LLM.chat`` return: vLLM's ``RequestOutput`` / ``CompletionOutput`` /
 ``Logprob``, readable nano-vLLM style as well (``out["text"]``, ``out["token_ids"]``)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -87,7 +87,8 @@ class RequestOutput:
         outputs: the ``n`` completions, in index order.
         finished: every completion has finished.
         num_cached_tokens: prompt tokens found in the prefix cache (of the first completion).
-        metrics: the request's :class:`RequestMetrics`.
+        metrics: the request's :class:`RequestMetrics` (left out of ``==``: two runs of a
+            request are equal when their results are).
 
     ``out["text"]``, ``out["token_ids"]`` and ``out["finish_reason"]`` read ``outputs[0]``, and
     ``out["num_cached_tokens"]`` this request's field, so nano-vLLM's dict-style code keeps working.
@@ -100,7 +101,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = field(default=None, compare=False)  # timings: not part of equality
 
     def __getitem__(self, key: str):
         if key in _COMPLETION_KEYS:
