@@ -1,5 +1,6 @@
 """Chooses which sequences run in the next step: a prefill batch or a decode batch."""
 import logging
+import time
 from collections import deque
 
 from nanovllm.config import Config
@@ -76,6 +77,8 @@ class Scheduler:
             if not chunk:
                 break
             seq.schedule(chunk)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             budget -= chunk
             scheduled.append(seq)
             if not seq.samples_token:  # part-way: the chunk does not complete its prompt
@@ -124,18 +127,19 @@ class Scheduler:
         that cannot be done without those tokens.
 
         Possible only when nothing waits (so ``running`` is the unfinished ``seqs`` and no
-        admission is due) and the step's new blocks can be placed without a preemption, either
-        (a) with no move between the tiers and no cached prefix dropped, while the sequences
-        stopping in ``seqs`` still hold their blocks, or (b) with a host tier, with moves (spills,
-        write-backs) when no sequence of ``seqs`` can finish with its token (by length or by its
-        value): postprocessing then frees nothing, so the synchronous loop makes the same moves
-        (the blocks ``seqs`` fill become spill candidates here, as their commit would make them).
-        Then the tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every
-        unfinished sequence of ``seqs`` that does not reach its length limit with them; one that stops on its token (eos, stop id, stop string) is computed once more, and
-        that result is dropped.
+        admission is due), no request of ``seqs`` has a bad word of several tokens, and the step's
+        new blocks can be placed without a preemption, either (a) with no move between the tiers
+        and no cached prefix dropped, while the sequences stopping in ``seqs`` still hold their
+        blocks, or (b) with a host tier, with moves (spills, write-backs) when no sequence of
+        ``seqs`` can finish with its token (by length or by its value): postprocessing then frees
+        nothing, so the synchronous loop makes the same moves (the blocks ``seqs`` fill become
+        spill candidates here, as their commit would make them). Then the tokens of ``seqs`` get
+        placeholders (:meth:`_advance`) and the step is every unfinished sequence of ``seqs`` that
+        does not reach its length limit with them; one that stops on its token (eos, stop id, stop
+        string) is computed once more, and that result is dropped.
         """
-        if self.waiting:
-            return None
+        if self.waiting or any(seq.sampling_params.has_multi_token_bad_words for seq in seqs):
+            return None  # a multi-token bad word's mask needs the step's tokens on the host
         live = [seq for seq in seqs if not seq.is_finished]  # those that stopped in the step before are done
         batch = [seq for seq in live if not reaches_length_limit(seq, self.max_model_len, 1)]
         # the step writes position num_computed_tokens + 1: a new block when no block holds it yet
@@ -198,7 +202,7 @@ class Scheduler:
         (their tokens are placeholders, filled in here). A sequence finished already (computed
         once more by an overlapped step after it stopped) is left as it is.
         """
-        finished = []
+        finished, now = [], time.time()
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
@@ -206,12 +210,16 @@ class Scheduler:
                 self._advance(seq, sampled=token_id is not None)
             if token_id is not None:
                 seq.fill_token(token_id)
+                seq.last_token_time = now
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
             self.block_manager.commit(seq)
             if token_id is None:
                 continue
             reason = self._finish_reason(seq, token_id)
             if reason:
                 seq.finish_reason = reason
+                seq.finished_time = now
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

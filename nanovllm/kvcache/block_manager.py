@@ -251,6 +251,17 @@ class BlockManager:
             self._released[seq.seq_id] = first
             self.num_released_blocks += first - done
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the registration of every free block of both tiers (cached prefixes no live
+        sequence holds), so no later prompt hits them. Returns True when the prefix cache is then
+        empty, False when live sequences still hold registered blocks (kept: they are in use)."""
+        for pool in (self.gpu, self.host):
+            dropped = [i for i in pool.free if pool.blocks[i].hash != -1]
+            for i in dropped:
+                pool.forget(pool.blocks[i])
+                pool.free.move_to_end(i, last=False)
+        return not self.index
+
     def usage(self) -> dict:
         """Block counts of both tiers (used = held by live sequences), the cumulative spills,
         write-backs of evicted prefix-cache blocks, prefix-cache hits and blocks released outside
