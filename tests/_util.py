@@ -5,6 +5,8 @@ import torch
 
 VOCAB_SIZE = 2048
 EOS_ID = 2
+GLM_EOS = [EOS_ID, 5, 6]  # GLM's chat models end on any of three ids
+PHI3_ORIGINAL = 64  # phi3_dir's original_max_position_embeddings: its long factors apply past 64 tokens
 SLIDING_WINDOW = 300  # the window of the sliding-window checkpoints: its edge falls inside a 256-token block
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; "</s>" is EOS_ID
 

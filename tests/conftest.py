@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from _util import EOS_ID, SLIDING_WINDOW, SPECIAL_TOKENS, VOCAB_SIZE, build_llm
+from _util import EOS_ID, GLM_EOS, PHI3_ORIGINAL, SLIDING_WINDOW, SPECIAL_TOKENS, VOCAB_SIZE, build_llm
 
 MAX_POSITIONS = 4096
 
@@ -133,10 +133,6 @@ def qwen2_dir(tmp_path_factory):
                             hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=2,
                             tie_word_embeddings=False)
-
-
-GLM_EOS = [EOS_ID, 5, 6]  # GLM's chat models end on any of three ids
-PHI3_ORIGINAL = 64  # phi3_dir's original_max_position_embeddings: its long factors apply past 64 tokens
 
 
 def _longrope(pairs: int, seed: int) -> dict:

@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _util import build_llm, generate_with_logits, random_prompt
-from conftest import GLM_EOS, PHI3_ORIGINAL
+from _util import GLM_EOS, PHI3_ORIGINAL, build_llm, generate_with_logits, random_prompt
 
 FAMILIES = ("glm", "glm4", "phi3")
 BLOCK = 256
