@@ -68,7 +68,7 @@ class _ScriptedPolicy:
     """A choosing policy whose picks are given per layer (``script[layer]``: per choosing
     sequence, its picked logical blocks); sequences of more than 3 blocks choose."""
 
-    chooses_decode_blocks, needs_block_metadata, dense_prefill = True, False, True
+    chooses_decode_pages, needs_block_metadata, dense_prefill = True, False, True
     script: dict[int, list[list[int]]] = {}
 
     @staticmethod

@@ -343,7 +343,7 @@ class LLMEngine:
         """
         self._check_open()
         cache = self.model_runner.cache
-        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.policy.chooses_decode_blocks)
+        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.policy.chooses_decode_pages)
         stats = {"policy": self.config.sparse_policy, **counts}
         if self._replicas is None:
             return stats

@@ -58,7 +58,7 @@ class KVCache:
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
                                  config.max_model_len)
         self.policy = create_policy(config, layer.scale)
-        picks_from_host = self.tiered and self.policy.chooses_decode_blocks
+        picks_from_host = self.tiered and self.policy.chooses_decode_pages
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
         self.stats = SparseStats()
@@ -111,8 +111,8 @@ class KVCache:
         except RuntimeError as err:
             parts = f"num_kvcache_blocks={sizes.gpu_blocks}"
             if self.reuse_rows or self.staging_rows:
-                parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks, by default "
-                          f"2 x sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
+                parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks) + {self.staging_rows} "
+                          f"staging rows / {g.num_layers} layers")
             total = sizes.gpu_blocks * g.block_bytes + self._decode_rows_bytes()
             raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
@@ -121,7 +121,8 @@ class KVCache:
                                  sizes.host_blocks, self.config.num_ring_slots)
         self.kv = self.layout.per_layer(rows)
         self.num_gpu_blocks = sizes.gpu_blocks
-        reuse = ReuseCache(g.num_layers, self.reuse_rows, sizes.gpu_blocks) if self.reuse_rows else None
+        reuse = ReuseCache(g.num_layers, g.num_kv_heads, self.reuse_rows, sizes.gpu_blocks, self.layout.layer_rows,
+                           g.block_size // self.policy.page_size, self.device) if self.reuse_rows else None
         self.attention.bind(rows, self.layout, self.host, reuse)
         self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                              sizes.gpu_blocks, sizes.host_blocks)
@@ -147,17 +148,15 @@ class KVCache:
     # ---- steps -------------------------------------------------------------------------
     def begin_step(self, spills: list[tuple[int, int]]):
         """Copy the blocks the scheduler spilled (``(GPU block, host block)``, in order) to the
-        host tier, before anything of this step writes the GPU tier; first record the previous
-        step's picks (the reuse cache and statistics lag a step, ``selection.py``)."""
-        self.attention.flush()
+        host tier, before anything of this step writes the GPU tier; the reuse cache forgets the
+        pages of the host blocks rewritten."""
         if not spills:
             return
         self.host.spill(spills, self.kv[0], self.kv[1])
-        self.attention.forget_host_blocks([host_id for _, host_id in spills])
+        gpu_ids, host_ids = (to_device(ids, torch.int64, self.device) for ids in zip(*spills))
+        self.attention.forget_host_blocks(host_ids)
         if self.policy.needs_block_metadata:
-            gpu_ids, host_ids = zip(*spills)
-            self.policy.on_spill(to_device(gpu_ids, torch.int64, self.device),
-                                 to_device(host_ids, torch.int64, self.device))
+            self.policy.on_spill(gpu_ids, host_ids)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         """Set the attention context of a step; returns the model inputs ``(input_ids,
@@ -176,9 +175,7 @@ class KVCache:
                 sample_idx)
 
     def finish_step(self):
-        """After the forward: the picks of a choosing decode step start back to the host, the
-        policy's metadata of the blocks the step filled."""
-        self.attention.end_step()
+        """After the forward: the policy's metadata of the blocks the step filled."""
         reset_context()
         if self._completed:
             self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
@@ -193,27 +190,24 @@ class KVCache:
                                 if seq.block_table[j] != NO_BLOCK]
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
-        """The batch's choosing part, when the policy chooses for some sequence; a choosing
-        policy's reads counted (every block of a step without a selection)."""
+        """The batch's choosing part, when the policy chooses for some sequence (the attention
+        counts its reads); a choosing policy's step without one reads every token."""
         selection = DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq))
                                                         for seq in seqs],
-                                          self.layout, self.num_gpu_blocks, self.geometry.block_size, self.device,
-                                          self.attention.reuse)
-        if self.policy.chooses_decode_blocks:
-            blocks = sum(len(seq.block_table) for seq in seqs)
-            read = blocks if selection is None else selection.num_reads()
+                                          self.layout, self.num_gpu_blocks, self.geometry.block_size,
+                                          self.geometry.num_kv_heads, self.device)
+        if selection is None and self.policy.chooses_decode_pages:
+            tokens = sum(len(seq) for seq in seqs)
             for layer in range(self.geometry.num_layers):
-                self.stats.add_reads(layer, read, blocks)
+                self.stats.add_reads(layer, tokens, tokens)
         return selection
 
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:
-        """The sparse statistics, complete: the last choosing decode step recorded first."""
-        self.attention.flush()
+        """The sparse statistics."""
         return self.stats
 
     def loaded_blocks(self) -> int:
-        """Host-to-GPU block loads so far, in blocks of every layer (keys and values); the last
-        choosing decode step's gathers recorded first."""
-        self.attention.flush()
-        return self.host.bytes_h2d // self.geometry.block_bytes if self.tiered else 0
+        """Host-to-GPU loads so far, in blocks of every layer (keys and values), pages gathered
+        included (syncs with the device once)."""
+        return self.host.loaded_bytes() // self.geometry.block_bytes if self.tiered else 0

@@ -18,6 +18,7 @@ import torch
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, interpreted, next_pow2,
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
+from .decode_cpu import check_context_lens, decode_cpu
 from .store_kv import gather_kvcache
 
 _BLOCK_G = MIN_DOT_ROWS
@@ -56,19 +57,15 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
     check_head_dim(q.shape[2])
     if q.shape[0] > _MAX_BATCH:
         raise ValueError(f"decode batch of {q.shape[0]} sequences exceeds {_MAX_BATCH} (the CUDA grid's y limit)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    per_head = block_tables.dim() == 3
+    if block_tables.dim() not in (2, 3) or block_tables.shape[0] != q.shape[0] or (
+            per_head and block_tables.shape[1] != k_cache.shape[2]):
+        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks] or, per KV head, [B={q.shape[0]}, "
+                         f"Hkv={k_cache.shape[2]}, max_blocks]; got {tuple(block_tables.shape)}")
     if context_lens.shape != (q.shape[0],):
         raise ValueError(f"context_lens must be [B={q.shape[0]}]; got {tuple(context_lens.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
-
-
-def _check_context_lens(lengths: list[int], max_tokens: int) -> None:
-    """ValueError naming the first length outside 0..max_tokens."""
-    for b, length in enumerate(lengths):
-        if not 0 <= length <= max_tokens:
-            raise ValueError(f"context_lens[{b}]={length} is outside 0..{max_tokens} (max_blocks * block_size)")
 
 
 def decode_attention_ref(
@@ -89,13 +86,27 @@ def decode_attention_ref(
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     lengths = context_lens.tolist()
-    _check_context_lens(lengths, block_tables.shape[1] * k_cache.shape[1])
+    check_context_lens(lengths, block_tables.shape[-1] * k_cache.shape[1])
+    heads_kv = k_cache.shape[2]
+    group = q.shape[1] // heads_kv
     for b, length in enumerate(lengths):
-        if length:
-            keys = gather_kvcache(k_cache, block_tables[b], length)[None]
-            values = gather_kvcache(v_cache, block_tables[b], length)[None]
-            out_b, lse_b = flash_attn_with_lse_ref(q[b][None, None].to(dtype), keys, values, scale, False)
-            out[b], lse[b] = out_b[0, 0], lse_b[0, :, 0]
+        if not length:
+            continue
+        # per KV head: its table, its heads of keys and values, its GQA group of queries
+        for h, table in enumerate(block_tables[b] if block_tables.dim() == 3 else [block_tables[b]] * heads_kv):
+            heads = slice(h * group, (h + 1) * group) if block_tables.dim() == 3 else slice(None)
+            kv_heads = slice(h, h + 1) if block_tables.dim() == 3 else slice(None)
+            blocks = table[torch.arange(length, device=table.device) // k_cache.shape[1]].long()
+            slots = (blocks * k_cache.shape[1] + torch.arange(length, device=table.device) % k_cache.shape[1])
+            slots = slots[blocks >= 0]  # a -1 table entry reads nothing
+            keys = k_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            values = v_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            if not slots.numel():
+                continue
+            out_b, lse_b = flash_attn_with_lse_ref(q[b, heads][None, None].to(dtype), keys, values, scale, False)
+            out[b, heads], lse[b, heads] = out_b[0, 0], lse_b[0, :, 0]
+            if block_tables.dim() == 2:
+                break
     return (out, lse) if return_lse else out.to(q.dtype)
 
 
@@ -108,7 +119,7 @@ def _decode_tile(
     """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
     ``[BLOCK_N]``: each token's cache block."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
+    n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
     kv_mask = n_mask[:, None] & d_mask[None, :]
     block = block.to(tl.int64)
@@ -128,19 +139,20 @@ def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.c
     return tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
 
 
-@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["stride_tb", "stride_th", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_tb, stride_th, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr,
 ):
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
-    them (output in its dtype, LSE in natural log), so no merge kernel runs."""
+    them (output in its dtype, LSE in natural log), so no merge kernel runs. ``stride_th``: 0 when
+    every KV head reads the sequence's one table, else the stride between the heads' tables."""
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(0) // G_CHUNKS
     g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -158,7 +170,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
-    table_row = table_ptr + b * stride_tb
+    table_row = table_ptr + b * stride_tb + kv_head * stride_th
     # Each tile's block ids are loaded during the tile before it (1-2% faster on the H200 than
     # loading them with the tile). Triton's interpreter (numpy 2) cannot take tensor bounds in
     # range(); compiled kernels keep the for loop, which Triton software-pipelines (the while form
@@ -244,7 +256,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     g_chunks = cdiv(group, _BLOCK_G)
     block_d = block_dim(dim)
     block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
-    max_tokens = block_tables.shape[1] * block_size
+    max_tokens = block_tables.shape[-1] * block_size
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
@@ -265,6 +277,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        tables.stride(1) if tables.dim() == 3 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
@@ -280,53 +293,6 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
             BLOCK_D=block_d, WRITE_LSE=return_lse,
         )
     return (out, lse) if return_lse else out
-
-
-def _context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, width: int,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat cache slots ``[B, width]`` (int64) of each sequence's tokens 0..width-1 and the mask
-    ``[B, width]`` of those below its context length. A slot past a sequence's context points at
-    its token 0 (a row the cache holds), so that padding reads finite values; a row with no
-    context keeps a clamped, arbitrary slot and must be zeroed by the caller."""
-    blocks = block_tables[:, :cdiv(width, block_size)].long() * block_size
-    slots = (blocks[:, :, None] + torch.arange(block_size)).flatten(1)[:, :width]
-    valid = torch.arange(width) < context_lens[:, None]
-    return torch.where(valid, slots, slots[:, :1]).clamp_(min=0), valid
-
-
-def _decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse):
-    """:func:`decode_attention` of the whole batch in one fused-attention call (CPU tensors).
-
-    The contexts are gathered into a padded ``[B, Hkv, L, D]`` (L the longest context), and the
-    GQA group of each KV head is folded into the query length (``[B, Hkv, group, D]``: a decode
-    query is one row, so the group's rows share that head's keys; no K/V repeat). torch's CPU
-    flash attention (``_scaled_dot_product_flash_attention_for_cpu``, which returns the LSE) then
-    runs once, with an additive mask hiding each sequence's padding. Half inputs are computed in
-    float32, like the reference."""
-    batch, heads_q, dim = q.shape
-    block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    shortest, longest = (int(n) for n in context_lens.aminmax()) if batch else (0, 0)
-    max_tokens = block_tables.shape[1] * block_size
-    if shortest < 0 or longest > max_tokens:
-        _check_context_lens(context_lens.tolist(), max_tokens)
-    if longest == 0:
-        out = torch.zeros(q.shape, dtype=dtype)
-        lse = torch.full((batch, heads_q), float("-inf"))
-        return (out, lse) if return_lse else out.to(q.dtype)
-    slots, valid = _context_slots(block_tables, context_lens, longest, block_size)
-    k, v = (cache.flatten(0, 1).index_select(0, slots.flatten()).view(batch, longest, heads_kv, dim).transpose(1, 2)
-            for cache in (k_cache, v_cache))
-    mask = torch.where(valid, 0.0, float("-inf")).to(dtype)[:, None, None, :]
-    q_groups = q.unflatten(1, (heads_kv, heads_q // heads_kv)).to(dtype)
-    k, v = k.to(dtype), v.to(dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_groups, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    out, lse = out.reshape(batch, heads_q, dim), lse.reshape(batch, heads_q).float()
-    if shortest == 0:  # rows with no context read a clamped slot: zero them, whatever it held
-        empty = context_lens == 0
-        out, lse = out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], float("-inf"))
-    return (out, lse) if return_lse else out.to(q.dtype)
 
 
 def decode_attention(
@@ -345,7 +311,11 @@ def decode_attention(
         q: ``[B, Hq, D]``, float16/bfloat16/float32, ``1 <= D <= 256``; rows may be strided.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: q head
             h uses kv head ``h // (Hq // Hkv)``) and a contiguous last dim.
-        block_tables: int32 ``[B, M]`` block ids; entries past a sequence's context are not read.
+        block_tables: int32 ``[B, M]`` block ids, or ``[B, Hkv, M]``: a table per KV head (each KV
+            head and its GQA group of q heads read their own blocks, e.g. pages chosen per head
+            with the cache viewed as ``[num_pages, page_size, Hkv, D]``); entries past a sequence's
+            context are not read; a -1 entry within the context reads nothing (its tokens are
+            masked).
         context_lens: int32 ``[B]``, tokens to attend to (the new token included, already stored),
             ``0 <= context_lens[b] <= M * block_size``; 0 (padded rows) gives an output of zeros.
         scale: softmax scale (usually ``D ** -0.5``).
@@ -371,7 +341,7 @@ def decode_attention(
     it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
     4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
     device. CPU: the whole batch in one call of torch's fused CPU flash attention
-    (:func:`_decode_cpu`), lengths range-checked; without Triton on another device:
+    (:func:`nanovllm.ops.decode_cpu.decode_cpu`), lengths range-checked; without Triton on another device:
     :func:`decode_attention_ref`.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
@@ -383,5 +353,5 @@ def decode_attention(
     if q.shape[0] and use_triton(q):
         return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse)
     if q.device.type == "cpu":
-        return _decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+        return decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
