@@ -79,7 +79,7 @@ def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.T
         output_tokens += output
     floats = [[min(p.repetition_penalty, FLOAT32_MAX), p.presence_penalty, p.frequency_penalty] for p in params]
     repetition, presence, frequency = to_device(floats, torch.float32, device).unbind(1)
-    ints = partial(_to_device, dtype=torch.int64, device=device)
+    ints = partial(to_device, dtype=torch.int64, device=device)
     output_rows, output_tokens = ints(output_rows), ints(output_tokens)
     if pending_rows:
         pending = ints(pending_rows)
