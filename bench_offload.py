@@ -3,12 +3,15 @@
     python bench_offload.py --input-len 130000 --block-size 4096                # one sequence, default budgets
     python bench_offload.py --input-len 32768 --num-seqs 8 --num-kvcache-blocks 32   # GPU tier: half the KV
     python bench_offload.py --shape llama-3-8b-1m --input-len 1000000 --decode-tokens 4 --modes gpu,tiered
+    python bench_offload.py --shape glm-4-9b-1m --input-len 131072 --modes gpu,tiered   # GLM-4-9B-chat-1m
+    python bench_offload.py --shape phi-3-mini-128k --input-len 120000 --modes gpu,tiered  # Phi-3-mini-128k
     python bench_offload.py --input-len 130000 --decode-tokens 16 --num-kvcache-blocks 2 \
         --modes tiered-full,tiered-noreuse,tiered --sparse-policy QUEST --sparse-topk-blocks 4 \
         --sparse-threshold-blocks 4                        # QUEST with and without reuse vs FULL
 
-Default model: a random-weight checkpoint of ``--shape`` (Llama-3.1-8B, or Llama-3-8B with a
-1,048,576-token context and Gradient AI's rope_theta), created once under $NANOVLLM_CACHE.
+Default model: a random-weight checkpoint of ``--shape`` (a key of ``tools.random_checkpoint.SHAPES``:
+Llama-3.1-8B by default; Llama-3-8B with a 1,048,576-token context and Gradient AI's rope_theta;
+GLM-4-9B-chat-1m; Phi-3-mini-128k; Qwen3-0.6B), created once under $NANOVLLM_CACHE.
 Decode is timed from the second decode step on (the first places every sequence's next block and
 compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered``
 (``enable_cpu_offload=True``, ``--sparse-policy``, ``--num-reuse-cache-blocks``),

@@ -83,7 +83,8 @@ class Config:
         tokenizer: directory (or Hub id, resolved as ``model`` is) of the tokenizer; None: ``model``
             (vLLM's ``tokenizer``).
         trust_remote_code: passed to transformers when loading the tokenizer (vLLM's name); the
-            model itself always runs nanovllm's own code (Llama, Qwen2, Qwen3).
+            model itself always runs nanovllm's own code (Llama, Mistral with its sliding window,
+            Qwen2, Qwen3).
         enable_prefix_caching: vLLM's switch; prefix caching is part of nanovllm's KV cache and
             always on, so only True (the default) is accepted.
         max_num_batched_tokens: token budget of one prefill step (>= 1); longer prompts are
@@ -104,9 +105,9 @@ class Config:
             ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
             QUEST, else off; the resolved bool is stored here. True forces it (ValueError where
             unsupported; on CPU nothing overlaps, but the same code path runs, which is what its
-            CPU tests use); False is the synchronous loop, for debugging. On the H200 it took
-            ``bench.py`` from 15,326 to 19,625 tok/s with identical outputs
-            (``tests/gpu/test_async_scheduling_gpu.py``, ``docs/benchmarks.md``).
+            CPU tests use); False is the synchronous loop, for debugging. Outputs are identical
+            either way (``tests/gpu/test_async_scheduling_gpu.py``); its gain on ``bench.py``:
+            ``docs/benchmarks.md``, 'Throughput'.
         kvcache_block_size: tokens per KV block, a positive multiple of 256.
         num_kvcache_blocks: GPU-tier KV blocks; -1 sizes the tier from free memory (see
             ``nanovllm.kvcache.sizing``).
@@ -233,7 +234,6 @@ class Config:
                            self.max_model_len, self.hf_config.max_position_embeddings,
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
-        self._check_sliding_window()
         self._check_parallel()
         self._check_async_scheduling()
 
@@ -249,15 +249,6 @@ class Config:
         if self.async_scheduling and blockers:
             raise ValueError(f"async_scheduling=True does not support {', '.join(blockers)}; "
                              f"use async_scheduling=False or None")
-
-    def _check_sliding_window(self):
-        """A sliding window is not implemented: a model whose window is shorter than
-        ``max_model_len`` would attend to keys it must not see past the window."""
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window is not None and window < self.max_model_len:
-            arch = (getattr(self.hf_config, "architectures", None) or ["this model"])[0]
-            raise ValueError(f"{arch} has sliding_window={window} < max_model_len={self.max_model_len}: sliding-window "
-                             f"attention is not supported; use max_model_len <= {window}")
 
     def _check_offload(self):
         if self.num_gpu_blocks is not None:

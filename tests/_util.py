@@ -5,6 +5,7 @@ import torch
 
 VOCAB_SIZE = 2048
 EOS_ID = 2
+SLIDING_WINDOW = 300  # the window of the sliding-window checkpoints: its edge falls inside a 256-token block
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; "</s>" is EOS_ID
 
 ENGINE_DEFAULTS = dict(max_model_len=1024, num_kvcache_blocks=32, kvcache_block_size=256,
@@ -87,7 +88,7 @@ def generate_with_logits(llm, prompts, max_tokens):
     return [done[i] for i in ids], recorder.per_request(ids)
 
 
-ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2")  # conftest fixtures f"{arch}_dir"
+ARCHS = ("qwen3", "llama3", "llama_tied", "qwen2", "glm", "glm4", "phi3_4k")  # conftest fixtures f"{arch}_dir"
 
 
 class StepRecorder:

@@ -1,5 +1,5 @@
 """The package's structure, read from its source: layers import one way (docs/architecture.md,
-"Layers"), no import cycle, no module over 400 lines, the engine imports no tool or tool
+"Layers"), no import cycle, no module over 400 lines, the engine imports no tool (``tools/``) or tool
 dependency, and no policy name is tested outside ``nanovllm/sparse/``."""
 import ast
 import subprocess
@@ -22,7 +22,7 @@ LAYERS = [  # top to bottom: a module may import its own layer's modules and the
     ["nanovllm.ops"],
     ["nanovllm.parallel"],
     ["nanovllm.sequence", "nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.inputs", "nanovllm.hub",
-     "nanovllm.fetch", "nanovllm.utils"],
+     "nanovllm.fetch", "nanovllm.gguf_convert", "nanovllm.utils"],
 ]
 MAX_LINES = 400
 
@@ -121,6 +121,18 @@ def test_the_engine_imports_no_tool_dependency_and_holds_no_tool():
     tools = [name for name in modules() if any(word in name for word in ("ruler", "passkey", "random_checkpoint",
                                                                          "divergence"))]
     assert not tools, f"evaluation tools inside the engine package: {tools}"
+
+
+def test_the_engine_never_imports_the_tools_folder():
+    """``tools/`` (imported as ``tools`` from the repo root) is not installed with the engine, so no
+    module of ``nanovllm/`` may import it, not even inside a function."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{name}:{node.lineno}: {t}" for t in targets if t == "tools" or t.startswith("tools.")]
+    assert not found, "nanovllm/ imports tools/:\n" + "\n".join(found)
 
 
 def test_no_policy_name_is_tested_outside_sparse():

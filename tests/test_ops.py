@@ -317,6 +317,50 @@ def test_apply_rotary_ref_is_a_rotation_by_position_times_frequency():
     assert torch.equal(q_rot[0], q[0])  # position 0 is the identity
 
 
+ROTARY_VARIANTS = [(64, 64, False), (64, 24, False), (64, 32, True), (64, 40, True), (96, 96, False), (96, 48, True)]
+"""(head_dim, rotary dims, interleaved): full and partial "rotate half" (Llama, Phi-3's head_dim 96),
+GLM's interleaved half, an odd number of interleaved pairs (20)."""
+
+
+def _variant_case(dtype, tokens: int, max_position: int, dim: int, rot: int, seed: int = 0):
+    """A float32 cos/sin table of ``rot / 2`` pairs with an attention factor folded in (as
+    LongRoPE's), q ``[tokens, 6, dim]`` / k ``[tokens, 2, dim]`` / v as strided views of one qkv
+    buffer, and per-head norm weights."""
+    gen = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / ((1 + torch.rand(rot // 2, generator=gen)) * 1e4 ** (torch.arange(0, rot, 2).float() / rot))
+    angles = torch.outer(torch.arange(max_position).float(), inv_freq)
+    cache = torch.stack((angles.cos() * 1.2, angles.sin() * 1.2))
+    qkv = (torch.randn(tokens, 10 * dim, generator=gen) * 4).to(dtype)
+    q, k, v = (qkv[:, a * dim:b * dim].view(tokens, -1, dim) for a, b in ((0, 6), (6, 8), (8, 10)))
+    qk_norm = ((torch.rand(dim, generator=gen) + 0.5).to(dtype), (torch.rand(dim, generator=gen) + 0.5).to(dtype), 1e-6)
+    return cache, q, k, v, qk_norm
+
+
+def _rotary_float64(x, cache, positions, interleaved):
+    """Each rotary pair of ``x`` (float64) turned by its angle, as complex multiplication by
+    ``cos + i sin`` of the table's (scaled) values; the dims past the table pass through."""
+    rot = 2 * cache.shape[2]
+    xr = x[..., :rot].double()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else xr.chunk(2, -1)
+    z = torch.complex(x1, x2) * torch.complex(cache[0, positions].double(), cache[1, positions].double())[:, None]
+    y = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((y, x[..., rot:].double()), -1)
+
+
+@pytest.mark.parametrize("dim,rot,interleaved", ROTARY_VARIANTS)
+def test_apply_rotary_variants_match_float64_math(dim, rot, interleaved):
+    """Partial and interleaved rotary, reference and CPU path, against float64 rotation of each
+    pair; the dims past the rotary ones are the input's, bit for bit."""
+    cache, q, k, _, _ = _variant_case(torch.float32, 7, 300, dim, rot)
+    positions = torch.tensor([0, 1, 17, 299, 3, 150, 64])
+    for rotate in (apply_rotary_ref, apply_rotary):
+        for x, y in zip((q, k), rotate(positions, q, k, cache, interleaved=interleaved)):
+            assert_close(y, _rotary_float64(x, cache, positions, interleaved), 1e-5)
+            assert torch.equal(y[..., rot:], x[..., rot:])
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        apply_rotary(positions, q, k, torch.zeros(2, 300, dim // 2 + 1))
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_store_kvcache_ref_writes_slots_and_skips_minus_one(slot_dtype):
     k_cache, v_cache = torch.zeros(5, 4, 2, 8), torch.zeros(5, 4, 2, 8)
@@ -393,6 +437,24 @@ def test_apply_rotary_stores_rotated_keys_and_values_like_store_kvcache(dtype):
     assert got_store.k_cache.isnan().sum() == (16 - 4) * 2 * 64  # 4 tokens stored, slot -1 skipped
     with pytest.raises(ValueError, match="slot_mapping must be"):
         apply_rotary(positions, q, k, cache, qk_norm, _kv_store_case(dtype, v, [0, 1]))
+
+
+@eager_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,rot,interleaved", ROTARY_VARIANTS)
+def test_apply_rotary_variants_cpu_equal_reference_bit_for_bit(dtype, dim, rot, interleaved):
+    """Every variant on the CPU path rounds like the reference, plain and with the fused norm and
+    store (a -1 slot skipped)."""
+    cache, q, k, v, qk_norm = _variant_case(dtype, 5, 300, dim, rot)
+    positions = torch.tensor([0, 1, 17, 299, 3])
+    got = apply_rotary(positions, q, k, cache, interleaved=interleaved)
+    for a, b in zip(got, apply_rotary_ref(positions, q, k, cache, interleaved=interleaved)):
+        assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b)
+    got_store, want_store = (_kv_store_case(dtype, v, [9, -1, 0, 15, 4]) for _ in range(2))
+    got = apply_rotary(positions, q, k, cache, qk_norm, got_store, interleaved)
+    want = apply_rotary_ref(positions, q, k, cache, qk_norm, want_store, interleaved)
+    for a, b in zip(got + got_store[1:3], want + want_store[1:3]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 @eager_only
@@ -912,6 +974,32 @@ def test_interpreted_apply_rotary_with_kv_store_matches_reference(dtype):
 
 
 @interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim,rot,interleaved", ROTARY_VARIANTS[1:])
+def test_interpreted_apply_rotary_variants_match_reference(dtype, dim, rot, interleaved):
+    """The kernel's partial and interleaved rotation (head_dim 96: a masked 128-wide tile), plain
+    against float64 math and the reference, and with the fused norm and store against the
+    reference (the norm's mean square is summed in another order)."""
+    cache, q, k, v, qk_norm = _variant_case(dtype, 5, 50, dim, rot)
+    positions = torch.tensor([0, 1, 17, 49, 3])
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    got = apply_rotary(positions, q, k, cache, interleaved=interleaved)
+    for x, a, b in zip((q, k), got, apply_rotary_ref(positions, q, k, cache, interleaved=interleaved)):
+        assert a.is_contiguous() and a.dtype == dtype
+        assert_close(a, b, tol)
+        assert torch.equal(a[..., rot:], x[..., rot:])
+        if dtype == torch.float32:
+            assert_close(a, _rotary_float64(x, cache, positions, interleaved), 1e-5)
+    got_store, want_store = (_kv_store_case(dtype, v, [9, -1, 0, 15, 4]) for _ in range(2))
+    got = apply_rotary(positions, q, k, cache, qk_norm, got_store, interleaved)
+    want = apply_rotary_ref(positions, q, k, cache, qk_norm, want_store, interleaved)
+    for a, b in zip(got + got_store[1:3], want + want_store[1:3]):
+        assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), tol)
+    assert torch.equal(got_store.k_cache[2, 1], got[1][0]) and torch.equal(got_store.v_cache[3, 3], v[3])
+    assert got_store.v_cache.isnan().sum() == (16 - 4) * 2 * dim
+
+
+@interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,d", [(1, 40), (5, 1100), (0, 64)])
 def test_interpreted_silu_and_mul_matches_reference(dtype, tokens, d):
@@ -942,7 +1030,7 @@ def test_interpreted_gather_host_blocks_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=46)
+    run_interpreted_tests(__file__, min_passed=59)
 
 
 def test_decode_split_plan_splits_only_an_under_filled_gpu():

@@ -13,6 +13,33 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Phi-3-mini-128k-instruct's LongRoPE factors as first released (also Phi-3-vision-128k-instruct's;
+# the June 2024 update changed their values, not their number; speed does not depend on them)
+_PHI3_128K_LONG_FACTOR = [
+    1.0299999713897705, 1.0499999523162842, 1.0499999523162842, 1.0799999237060547, 1.2299998998641968,
+    1.2299998998641968, 1.2999999523162842, 1.4499999284744263, 1.5999999046325684, 1.6499998569488525,
+    1.8999998569488525, 2.859999895095825, 3.68999981880188, 5.419999599456787, 5.489999771118164,
+    5.489999771118164, 9.09000015258789, 11.579999923706055, 15.65999984741211, 15.769999504089355,
+    15.789999961853027, 18.360000610351562, 21.989999771118164, 23.079999923706055, 30.009998321533203,
+    32.35000228881836, 32.590003967285156, 35.56000518798828, 39.95000457763672, 53.840003967285156,
+    56.20000457763672, 57.95000457763672, 59.29000473022461, 59.77000427246094, 59.920005798339844,
+    61.190006256103516, 61.96000671386719, 62.50000762939453, 63.3700065612793, 63.48000717163086,
+    63.48000717163086, 63.66000747680664, 63.850006103515625, 64.08000946044922, 64.760009765625,
+    64.80001068115234, 64.81001281738281, 64.81001281738281,
+]
+_PHI3_128K_SHORT_FACTOR = [
+    1.05, 1.05, 1.05, 1.1, 1.1,
+    1.1, 1.2500000000000002, 1.2500000000000002, 1.4000000000000004, 1.4500000000000004,
+    1.5500000000000005, 1.8500000000000008, 1.9000000000000008, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
+    2.000000000000001, 2.000000000000001, 2.1000000000000005, 2.1000000000000005, 2.2,
+    2.3499999999999996, 2.3499999999999996, 2.3499999999999996, 2.3499999999999996, 2.3999999999999995,
+    2.3999999999999995, 2.6499999999999986, 2.6999999999999984, 2.8999999999999977, 2.9499999999999975,
+    3.049999999999997, 3.049999999999997, 3.049999999999997,
+]
+
 SHAPES = {
     "qwen3-0.6b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
@@ -31,6 +58,23 @@ SHAPES = {
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_theta=3580165449.0),
+    # GLM-4-9B-chat-1m-hf: THUDM/glm-4-9b-chat-1m's config.json (multi_query_group_num 4, seq_length
+    # 1048576, rope_ratio 10000) as transformers' convert_glm_weights_to_hf.py writes it (rope_theta =
+    # 10000 * rope_ratio); partial_rotary_factor 0.5 is GlmConfig's default
+    "glm-4-9b-1m": dict(
+        architectures=["GlmForCausalLM"], model_type="glm", vocab_size=151552, hidden_size=4096,
+        intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, max_position_embeddings=1048576, rms_norm_eps=1.5625e-07, rope_theta=1e8,
+        partial_rotary_factor=0.5, attention_bias=True, tie_word_embeddings=False,
+        eos_token_id=[151329, 151336, 151338], pad_token_id=151329),
+    # microsoft/Phi-3-mini-128k-instruct: MHA (32 heads of 96), LongRoPE past 4096 tokens
+    "phi-3-mini-128k": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling={"type": "longrope", "long_factor": _PHI3_128K_LONG_FACTOR,
+                                          "short_factor": _PHI3_128K_SHORT_FACTOR},
+        bos_token_id=1, eos_token_id=32000, pad_token_id=32000, tie_word_embeddings=False),
 }
 
 

@@ -2,11 +2,14 @@
 
 Captured sizes are 1, 2, 4, 8 and every multiple of 16 up to ``max_num_seqs`` (and
 ``max_num_seqs`` itself); a batch is padded to the next captured size. Padded rows have
-``slot_mapping = -1`` and ``context_lens = 0``, so they neither write nor read the KV cache.
+``slot_mapping = -1`` and ``context_lens = 0``, so they neither write nor read the KV cache. A
+model with sliding windows gets, per distinct window, its own table, lengths and starts buffers
+(as wide as the most blocks the window spans); a model without keeps exactly the buffers above.
 """
 import torch
 
-from nanovllm.kvcache.context import Context, get_context, reset_context, set_context
+from nanovllm.kvcache.context import Context, WindowReads, get_context, reset_context, set_context
+from nanovllm.kvcache.window import window_table_width
 
 
 def captured_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -30,14 +33,23 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=dev)
+        windows = runner.cache.windows
+        self.full_attention = None in windows
+        self.windows = {w: WindowReads(
+            torch.full((max_bs, window_table_width(w, cfg.kvcache_block_size, cfg.max_model_len)), -1,
+                       dtype=torch.int32, device=dev),
+            torch.zeros(max_bs, dtype=torch.int32, device=dev), torch.zeros(max_bs, dtype=torch.int32, device=dev))
+            for w in sorted({w for w in windows if w is not None})}
         self.outputs = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self._capture_all()
 
     def _context(self, bs: int) -> Context:
+        windows = {w: WindowReads(r.block_tables[:bs], r.context_lens[:bs], r.context_starts[:bs])
+                   for w, r in self.windows.items()}
         return Context(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                       context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs])
+                       context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs], windows=windows)
 
     @torch.inference_mode()
     def _capture_all(self):
@@ -67,10 +79,17 @@ class DecodeGraphs:
         self.positions[:bs] = positions
         self.slot_mapping[:graph_bs].fill_(-1)
         self.slot_mapping[:bs] = ctx.slot_mapping
-        self.context_lens[:graph_bs].zero_()
-        self.context_lens[:bs] = ctx.context_lens
-        width = ctx.block_tables.size(1)
-        self.block_tables[:bs, :width] = ctx.block_tables
+        if self.full_attention:
+            self.context_lens[:graph_bs].zero_()
+            self.context_lens[:bs] = ctx.context_lens
+            width = ctx.block_tables.size(1)
+            self.block_tables[:bs, :width] = ctx.block_tables
+        for window, buffers in self.windows.items():
+            reads = ctx.windows[window]
+            buffers.context_lens[:graph_bs].zero_()
+            buffers.context_lens[:bs] = reads.context_lens
+            buffers.context_starts[:bs] = reads.context_starts
+            buffers.block_tables[:bs, :reads.block_tables.size(1)] = reads.block_tables
         self.graphs[graph_bs].replay()
         return self.outputs[:bs]
 

@@ -21,7 +21,6 @@ from nanovllm.engine.stopping import IncrementalDetokenizer
 from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from nanovllm.parallel.process_group import check_same_calls
 from nanovllm.hub import resolve_model
-from nanovllm.kvcache.block_manager import BlockManager
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sparse.stats import sum_sparse_stats
@@ -50,7 +49,7 @@ class LLMEngine:
             kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"], revision, download_dir)
         config = Config(model, **kwargs)
         tokenizer = load_tokenizer(config)
-        config.eos_token_ids = eos_token_ids(model, tokenizer)
+        config.eos_token_ids = eos_token_ids(model, tokenizer, config.hf_config)
         self._start(config, tokenizer, spawned_replica=None)
 
     @classmethod
@@ -95,8 +94,7 @@ class LLMEngine:
         self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity)
 
     def _make_scheduler(self) -> Scheduler:
-        sizes = self.model_runner.tier_sizes
-        return Scheduler(self.config, BlockManager(sizes.gpu_blocks, self.config.kvcache_block_size, sizes.host_blocks))
+        return Scheduler(self.config, self.model_runner.cache.block_manager(self.model_runner.tier_sizes))
 
     # ---- requests ----------------------------------------------------------------------
     def get_tokenizer(self):
@@ -295,16 +293,17 @@ class LLMEngine:
     def get_kv_cache_stats(self) -> dict:
         """The KV cache's tiers as plain ints::
 
-            {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used",
-             "spilled_blocks", "loaded_blocks", "prefix_cache_hit_tokens", "preemptions"}
+            {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used", "spilled_blocks",
+             "prefix_cache_hit_tokens", "released_blocks", "loaded_blocks", "preemptions"}
 
-        ``*_used``: blocks held by live sequences (free blocks that still hold a cached prefix
-        are not used). ``spilled_blocks``: blocks moved from the GPU tier to the host tier since
-        the engine started; ``loaded_blocks``: host-to-GPU reads since then, in blocks of every
-        layer (keys and values); ``prefix_cache_hit_tokens``: prompt tokens found in the prefix
-        cache (either tier); ``preemptions``: sequences preempted (recomputed later) because
-        both tiers were full. Blocks are ``kvcache_block_size`` tokens. With
-        ``tensor_parallel_size > 1``, ``loaded_blocks`` is rank 0's (every rank reads its shard).
+        ``*_used``: blocks held by live sequences (free blocks holding a cached prefix are not).
+        ``spilled_blocks``: blocks moved from the GPU tier to the host tier since the engine
+        started; ``loaded_blocks``: host-to-GPU reads since then, in blocks of every layer (keys and
+        values); ``prefix_cache_hit_tokens``: prompt tokens found in the prefix cache (either tier);
+        ``released_blocks``: blocks running sequences released before their sliding windows;
+        ``preemptions``: sequences preempted (recomputed later) because both tiers were full.
+        Blocks are ``kvcache_block_size`` tokens. With ``tensor_parallel_size > 1``,
+        ``loaded_blocks`` is rank 0's (every rank reads its shard).
         With ``data_parallel_size > 1``, every value is summed over the replicas (under torchrun
         every rank must call this: it gathers from every replica).
         """
@@ -331,8 +330,8 @@ class LLMEngine:
         over heads and query blocks; 1.0 for policies whose prefill is dense.
         Decode ``density``: tokens read per KV head / tokens of the contexts (both tiers; the
         always-read sinks, recent pages and page being written included), per layer and
-        sequence, counted for a policy that chooses decode pages (``read_tokens`` /
-        ``context_tokens``); 1.0 for the others.
+        sequence, counted for a policy that chooses decode pages or a model with sliding windows
+        (``read_tokens`` / ``context_tokens``); 1.0 for the others.
         ``comm_density``: bytes read from the host tier (keys and values) / bytes of the host-tier
         blocks the attention could read, per layer (None where the batch had no host blocks).
         ``reuse_rate``: host (page, KV head) reads found in the reuse cache / host (page, KV head)
@@ -346,7 +345,7 @@ class LLMEngine:
         """
         self._check_open()
         cache = self.model_runner.cache
-        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.policy.chooses_decode_pages)
+        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.counts_decode_reads)
         stats = {"policy": self.config.sparse_policy, **counts}
         if self._replicas is None:
             return stats

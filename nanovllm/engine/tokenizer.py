@@ -4,14 +4,16 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanovllm.config import Config
 
 
-def eos_token_ids(model: str, tokenizer) -> list[int]:
-    """End-of-sequence ids from ``generation_config.json`` (int or list) and the tokenizer."""
+def eos_token_ids(model: str, tokenizer, hf_config=None) -> list[int]:
+    """End-of-sequence ids (int or list) from ``generation_config.json`` or, when the checkpoint
+    has none, from ``hf_config`` (as transformers derives a generation config from the model's),
+    and the tokenizer's."""
     ids = set()
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     except OSError:
-        pass
+        eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)

@@ -21,6 +21,12 @@ With no host blocks this is nano-vLLM's paged block manager.
   Registrations move with spilled blocks and survive while blocks are free, until their memory is
   reused; free blocks without a registration are reused first, registered ones least recently
   freed first.
+- **Sliding windows** (``release_window``: every layer of the model has a window, the widest W):
+  after each :meth:`BlockManager.commit`, the blocks of a sequence wholly before the window of its
+  next query (position ``c = num_computed_tokens``: blocks whose last token is before
+  ``c - W + 1``) are released, in either tier: no later query of the sequence sees them. Their
+  registration stays, so later prompts reuse them until their memory is reused, and the
+  sequence's tables hold ``RELEASED`` there (read from the window's first block on only).
 """
 import itertools
 import sys
@@ -33,6 +39,9 @@ from nanovllm.sequence import Sequence
 from nanovllm.kvcache.placement import ColdestFirst
 
 NO_BLOCK = -1
+RELEASED = -2
+"""A logical block a running sequence released (wholly before every layer's sliding window): it is
+in neither tier's table of the sequence any more."""
 
 
 def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
@@ -116,10 +125,13 @@ class BlockPool:
 
 class BlockManager:
     """Args: num_gpu_blocks; block_size (tokens per block); num_host_blocks (0: no host tier);
-    placement (the spill rule, default :class:`ColdestFirst`)."""
+    placement (the spill rule, default :class:`ColdestFirst`); release_window (tokens: every layer
+    of the model attends through a sliding window at most this wide, so blocks before a running
+    sequence's window are released; None: blocks are held until the sequence ends)."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0, placement=None):
-        self.block_size = block_size
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0, placement=None,
+                 release_window: int | None = None):
+        self.block_size, self.release_window = block_size, release_window
         self.index: dict[int, Block] = {}
         self.gpu = BlockPool("gpu", num_gpu_blocks, self.index)
         self.host = BlockPool("host", num_host_blocks, self.index)
@@ -128,6 +140,8 @@ class BlockManager:
         self._live: dict[int, Sequence] = {}
         self._reserved: dict[int, int] = {}  # seq_id -> blocks promised at admission, not yet placed
         self._committed: dict[int, tuple[int, int, int]] = {}  # seq_id -> (blocks, last hash, last content id)
+        self._released: dict[int, int] = {}  # seq_id -> its leading blocks released (outside the window)
+        self.num_released_blocks = 0
         self._spills: list[tuple[int, int]] = []
         self._content_ids = itertools.count()
         self.num_spilled_blocks = 0
@@ -258,13 +272,17 @@ class BlockManager:
     def deallocate(self, seq: Sequence):
         """Drop ``seq``'s references and reservation; blocks at zero references become free
         (keeping their registration)."""
-        for i in reversed(range(len(seq.block_table))):
-            block = self._block(seq, i)
-            if self._pool(block.tier).release(block) and block.tier == "gpu":
-                self.placement.remove(block.block_id)
+        for i in reversed(range(self._released.get(seq.seq_id, 0), len(seq.block_table))):
+            self._drop(seq, i)
         seq.block_table, seq.host_block_table = [], []
-        for table in (self._live, self._reserved, self._committed):
+        for table in (self._live, self._reserved, self._committed, self._released):
             table.pop(seq.seq_id, None)
+
+    def _drop(self, seq: Sequence, i: int):
+        """``seq``'s reference to its logical block ``i`` (a free block keeps its registration)."""
+        block = self._block(seq, i)
+        if self._pool(block.tier).release(block) and block.tier == "gpu":
+            self.placement.remove(block.block_id)
 
     def commit(self, seq: Sequence):
         """Register every full block whose KV is now computed (so later prompts can reuse it);
@@ -282,10 +300,25 @@ class BlockManager:
                 self.placement.add(block.block_id, i)
             parent_hash, parent_id = block.hash, block.content_id
         self._committed[seq.seq_id] = (max(done, num_full), parent_hash, parent_id)
+        if self.release_window is not None:
+            self._release_outside_window(seq)
+
+    def _release_outside_window(self, seq: Sequence):
+        """Release ``seq``'s blocks wholly before the window of its next query (module doc); they
+        are full and committed, so they stay registered."""
+        first = max(0, seq.num_computed_tokens - self.release_window + 1) // self.block_size
+        done = self._released.get(seq.seq_id, 0)
+        for i in range(done, first):
+            self._drop(seq, i)
+            seq.block_table[i] = seq.host_block_table[i] = RELEASED
+        if first > done:
+            self._released[seq.seq_id] = first
+            self.num_released_blocks += first - done
 
     def usage(self) -> dict:
         """Block counts of both tiers (used = held by live sequences) and the cumulative
-        spills and prefix-cache hits, as plain ints."""
+        spills, prefix-cache hits and blocks released outside sliding windows, as plain ints."""
         return {"gpu_blocks": self.gpu.num_blocks, "gpu_blocks_used": self.gpu.num_blocks - self.gpu.num_free,
                 "host_blocks": self.host.num_blocks, "host_blocks_used": self.host.num_blocks - self.host.num_free,
-                "spilled_blocks": self.num_spilled_blocks, "prefix_cache_hit_tokens": self.num_hit_tokens}
+                "spilled_blocks": self.num_spilled_blocks, "prefix_cache_hit_tokens": self.num_hit_tokens,
+                "released_blocks": self.num_released_blocks}

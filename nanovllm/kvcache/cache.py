@@ -26,7 +26,7 @@ from nanovllm.config import Config
 from nanovllm.kvcache import sizing
 from nanovllm.kvcache.sizing import KVGeometry, TierSizes
 from nanovllm.sequence import Sequence
-from nanovllm.kvcache.block_manager import NO_BLOCK
+from nanovllm.kvcache.block_manager import NO_BLOCK, BlockManager
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.tiered_attention import TieredAttention
 from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
@@ -36,6 +36,7 @@ from nanovllm.sparse import SparseStats, create_policy
 from nanovllm.kvcache.context import reset_context, set_context
 from nanovllm.kvcache.spec import uniform_storage
 from nanovllm.kvcache.step_inputs import StepInputs
+from nanovllm.kvcache.window import widest_window, window_start
 from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
@@ -55,14 +56,20 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), storage.num_kv_heads, storage.head_dim, config.kvcache_block_size,
                                    storage.dtype)
         self.tiered = config.enable_cpu_offload
+        self.windows = [spec.sliding_window for spec in self.specs]
+        self.release_window = widest_window(self.windows)
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
-                                 config.max_model_len)
+                                 config.max_model_len, self.windows)
         self.policy = create_policy(config, layer.scale)
-        picks_from_host = self.tiered and self.policy.chooses_decode_pages
+        self.chooses = self.policy.chooses_decode_pages and all(w is None for w in self.windows)
+        if self.policy.chooses_decode_pages and not self.chooses:
+            logger.warning("sparse_policy=%r reads every page of each layer's sliding window (choosing pages inside "
+                           "a window is not supported)", config.sparse_policy)
+        picks_from_host = self.tiered and self.chooses
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
         self.stats = SparseStats()
-        self.attention = TieredAttention(self.policy, self.stats, layer.scale)
+        self.attention = TieredAttention(self.policy, self.stats, layer.scale, self.windows)
         for i, module in enumerate(layers):
             module.layer_id, module.kv_cache = i, self
         self.kv: torch.Tensor | None = None
@@ -139,6 +146,13 @@ class KVCache:
             f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
             if self.host else "")
 
+    def block_manager(self, sizes: TierSizes) -> BlockManager:
+        """The scheduler's block manager for tiers of ``sizes``: this cache's block size, and with a
+        sliding window in every layer, the widest (its running sequences release the blocks before
+        it, ``block_manager.py``)."""
+        return BlockManager(sizes.gpu_blocks, self.geometry.block_size, sizes.host_blocks,
+                            release_window=self.release_window)
+
     def release(self):
         if self.host is not None:  # allocated (release may follow a failed allocate)
             self.host.synchronize()
@@ -169,6 +183,8 @@ class KVCache:
             ctx, input_ids, positions, sample_idx = self.inputs.decode(seqs, self._selection(seqs))
             for seq in seqs:
                 self._note_filled(seq, len(seq) - 1, len(seq))
+            if self.counts_decode_reads and ctx.selection is None:
+                self._count_window_reads(seqs)
         set_context(ctx)
         self.attention.begin_step(ctx)
         return (to_device(input_ids, torch.int64, self.device), to_device(positions, torch.int64, self.device),
@@ -189,18 +205,28 @@ class KVCache:
             self._completed += [seq.block_table[j] for j in range(start // block_size, end // block_size)
                                 if seq.block_table[j] != NO_BLOCK]
 
+    @property
+    def counts_decode_reads(self) -> bool:
+        """Decode's reads are counted (``SparseStats.add_reads``): the policy chooses decode
+        pages, or some layer has a sliding window (it reads only the window's tokens)."""
+        return self.policy.chooses_decode_pages or any(w is not None for w in self.windows)
+
+    def _count_window_reads(self, seqs: list[Sequence]):
+        """A decode step without a selection: each layer reads the tokens its window shows (every
+        token without one) of its sequences' contexts."""
+        tokens = sum(len(seq) for seq in seqs)
+        for layer, window in enumerate(self.windows):
+            read = sum(len(seq) - window_start(len(seq) - 1, window) for seq in seqs)
+            self.stats.add_reads(layer, read, tokens)
+
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
         """The batch's choosing part, when the policy chooses for some sequence (the attention
-        counts its reads); a choosing policy's step without one reads every token."""
-        selection = DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq))
-                                                        for seq in seqs],
-                                          self.layout, self.num_gpu_blocks, self.geometry.block_size,
-                                          self.geometry.num_kv_heads, self.device)
-        if selection is None and self.policy.chooses_decode_pages:
-            tokens = sum(len(seq) for seq in seqs)
-            for layer in range(self.geometry.num_layers):
-                self.stats.add_reads(layer, tokens, tokens)
-        return selection
+        counts its reads)."""
+        if not self.chooses:
+            return None
+        return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],
+                                     self.layout, self.num_gpu_blocks, self.geometry.block_size,
+                                     self.geometry.num_kv_heads, self.device)
 
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:

@@ -15,20 +15,43 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefixGather:
-    """Where the first ``num_tokens`` keys and values of a prefill sequence with host-tier blocks
-    live (built once per step, read by every layer).
+    """Where the prefix keys and values ``start .. num_tokens - 1`` of a prefill sequence with
+    host-tier blocks live (built once per step, read by every layer).
 
     Attributes:
         num_tokens: prefix tokens (the sequence's context before this step's chunk).
-        gpu_index, gpu_ids: int64 ``[r]`` device tensors: the logical indices of the prefix blocks
-            in the GPU tier, and those blocks.
-        host: ``(logical index, host block)`` of the prefix blocks in the host tier.
+        gpu_index, gpu_ids: int64 ``[r]`` device tensors: the indices (logical block - the first
+            gathered block) of the gathered blocks in the GPU tier, and those blocks.
+        host: ``(index, host block)`` of the gathered blocks in the host tier (indices as above).
+        start: the first gathered token, a block boundary: 0, or with sliding windows in every
+            layer the first block the widest window shows to the chunk's first query.
     """
 
     num_tokens: int
     gpu_index: torch.Tensor
     gpu_ids: torch.Tensor
     host: list[tuple[int, int]]
+    start: int = 0
+
+
+@dataclass
+class WindowReads:
+    """Decode reads of the layers with one sliding window (``nanovllm.kvcache.window``).
+
+    Attributes:
+        block_tables: int32 ``[batch, max_blocks]``: each row's GPU-tier blocks from the window's
+            first block on, in order (-1 padded).
+        context_lens: int32 ``[batch]`` tokens of those blocks (the new token included).
+        context_starts: int32 ``[batch]`` tokens at the head of each table before the window.
+        host_loads: ``(batch row, host block)`` of the host-tier blocks in the window, in order;
+        host_skips: for each, its tokens before the window.
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    context_starts: torch.Tensor
+    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    host_skips: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -47,9 +70,11 @@ class Context:
             Decode: the GPU-resident blocks only, in order.
         prefix_gathers: prefill, by sequence index, the sequences whose prefix has host blocks.
         host_loads: decode, ``(batch row, host block)`` of every host-tier block of the batch (all
-            read by every layer unless the policy chooses).
+            read by every layer without a window unless the policy chooses).
         selection: decode, set when the sparse policy chooses blocks for some sequence
             (``nanovllm.kvcache.selection.DecodeSelection``).
+        windows: decode, the reads of the layers with each sliding window (by window); the fields
+            above serve the layers without one (None when every layer has a window).
     """
 
     is_prefill: bool = False
@@ -61,11 +86,12 @@ class Context:
     prefix_gathers: dict[int, PrefixGather] = field(default_factory=dict)
     host_loads: list[tuple[int, int]] = field(default_factory=list)
     selection: "DecodeSelection | None" = None
+    windows: dict[int, WindowReads] = field(default_factory=dict)
 
     @property
     def paged_only(self) -> bool:
-        """Decode reads only GPU-resident blocks, every one of them (CUDA-graph safe)."""
-        return not self.host_loads and self.selection is None
+        """Decode reads only GPU-resident blocks, every one it can see (CUDA-graph safe)."""
+        return not self.host_loads and self.selection is None and not any(r.host_loads for r in self.windows.values())
 
 
 _CONTEXT = Context()

@@ -5,15 +5,16 @@ The offload engine keeps the KV cache in pinned host memory, layer-major
 ``[num_layers, block_bytes]``. Moving one block of every layer is one 2D copy of ``height =
 num_layers`` rows of ``width = block_bytes`` bytes whose rows lie ``num_blocks * block_bytes``
 bytes apart on the host and ``block_bytes`` apart on the GPU. A strided torch copy of such a
-region runs at 1-3 GB/s on an H200; ``cudaMemcpy2DAsync`` moves it at the pinned-memory
-bandwidth (~55 GB/s). See docs in ``csrc/sgdma.cpp``.
+region is many times slower than the copy engine; ``cudaMemcpy2DAsync`` moves it at the
+pinned-memory bandwidth (docs/benchmarks.md, 'Host <-> device copies'). See ``csrc/sgdma.cpp``.
 
 Backends, picked once on first use with CUDA tensors (``backend()`` says which):
 
 - ``"extension"``: the module ``nanovllm._sgdma`` that ``setup.py`` builds from ``csrc/sgdma.cpp``
   when a CUDA toolkit and CUDA torch are present at install time;
 - ``"jit"``: the same source compiled with ``torch.utils.cpp_extension.load`` on first use (cached
-  in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``; ~20-40 s the first time);
+  in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``; the first use waits for the build:
+  docs/kvcache.md, 'Measured');
 - ``"torch"``: a fallback that moves exactly the same bytes with torch copies of uint8 views, one
   contiguous copy per row between devices (a single strided copy within one device). It is used
   for CPU-only copies always, and for everything when neither build is available.

@@ -7,12 +7,15 @@
 Each sequence brings its two block tables (GPU tier, host tier; ``nanovllm.sequence``) and its
 progress (``num_computed_tokens``, ``num_scheduled_tokens``, ``samples_token``, decided by the
 scheduler). Slots are ``gpu_block * block_size + offset``; a position inside the cached prefix
-gets slot -1 (its shared block is never written).
+gets slot -1 (its shared block is never written). Decode builds one set of reads per distinct
+sliding window of the model's layers (``window.py``) beside the full-attention one (only for the
+windows and kinds its layers have); a prefix gather begins at the block the widest window shows.
 """
 import torch
 
 from nanovllm.kvcache.block_manager import NO_BLOCK
-from nanovllm.kvcache.context import Context, PrefixGather
+from nanovllm.kvcache.context import Context, PrefixGather, WindowReads
+from nanovllm.kvcache.window import widest_window, window_row, window_start, window_table_width
 from nanovllm.sequence import Sequence
 from nanovllm.utils.tensors import padded_rows, to_device
 
@@ -21,12 +24,15 @@ class StepInputs:
     """Args: block_size (tokens per block); device; tiered (the cache has a host tier);
     decode_batch_sizes (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode
     batches are padded so that eager and graph decode run the same shapes; None: no padding);
-    max_model_len (the widest block table a padded decode batch needs)."""
+    max_model_len (the widest block table a padded decode batch needs); windows (each layer's
+    sliding window, None for full attention; default: one layer without)."""
 
     def __init__(self, block_size: int, device: torch.device, tiered: bool, decode_batch_sizes: list[int] | None,
-                 max_model_len: int):
+                 max_model_len: int, windows: list[int | None] = (None,)):
         self.block_size, self.device, self.tiered = block_size, device, tiered
         self.decode_batch_sizes, self.max_model_len = decode_batch_sizes, max_model_len
+        self.reads = ([None] if None in windows else []) + sorted({w for w in windows if w is not None})
+        self.gather_window = widest_window(list(windows))  # a prefix gather covers every layer's window
 
     def slot(self, seq: Sequence, pos: int) -> int:
         """The GPU-tier slot of position ``pos`` of ``seq`` (-1 inside its cached prefix)."""
@@ -74,43 +80,49 @@ class StepInputs:
         return ctx, input_ids, positions, sample_idx
 
     def _prefix_gather(self, seq: Sequence, num_tokens: int) -> PrefixGather | None:
-        """Where the first ``num_tokens`` of ``seq`` live, when some are on the host tier."""
+        """Where the first ``num_tokens`` of ``seq`` live (with windows in every layer, from the
+        block the widest shows the chunk's first query), when some are on the host tier."""
         num_blocks = -(-num_tokens // self.block_size)
-        host = [(j, seq.host_block_table[j]) for j in range(num_blocks) if seq.host_block_table[j] != NO_BLOCK]
+        first = window_start(num_tokens, self.gather_window) // self.block_size
+        host = [(j - first, seq.host_block_table[j]) for j in range(first, num_blocks)
+                if seq.host_block_table[j] != NO_BLOCK]
         if not host:
             return None
-        gpu = [(j, seq.block_table[j]) for j in range(num_blocks) if seq.block_table[j] != NO_BLOCK]
+        gpu = [(j - first, seq.block_table[j]) for j in range(first, num_blocks) if seq.block_table[j] != NO_BLOCK]
         index, ids = (list(t) for t in zip(*gpu)) if gpu else ([], [])
         return PrefixGather(num_tokens, to_device(index, torch.int64, self.device),
-                            to_device(ids, torch.int64, self.device), host)
+                            to_device(ids, torch.int64, self.device), host, first * self.block_size)
 
     def decode(self, seqs: list[Sequence], selection) -> tuple[Context, list[int], list[int], list[int]]:
         """The context and the inputs of a decode step (one token per sequence): each row reads
         its GPU-tier blocks in place and, with a host tier, its host blocks through the ring
         (``host_loads``), unless ``selection`` (a :class:`~nanovllm.kvcache.selection.DecodeSelection`,
-        or None) chooses what it reads. A batch that reads only GPU-tier blocks is padded to the
-        next captured CUDA-graph size."""
-        block_size = self.block_size
+        or None) chooses what it reads; the layers of each sliding window read only the blocks in
+        it (``ctx.windows``, ``window.py``). A batch that reads only GPU-tier blocks is padded to
+        the next captured CUDA-graph size."""
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
         slots = [self.slot(seq, len(seq) - 1) for seq in seqs]
-        tables, lens, loads = [], [], []
-        for row, seq in enumerate(seqs):
-            table, length = seq.block_table, len(seq)
-            if self.tiered and NO_BLOCK in table:
-                hosts = [h for h in seq.host_block_table if h != NO_BLOCK]
-                loads += [(row, h) for h in hosts]
-                table, length = [b for b in table if b != NO_BLOCK], length - len(hosts) * block_size
-            tables.append(table)
-            lens.append(length)
-        ctx = Context(is_prefill=False, host_loads=loads, selection=selection)
-        width = max(map(len, tables))
-        if ctx.paged_only and self.decode_batch_sizes:  # CUDA: the shapes of the captured graphs
+        rows = {window: [window_row(seq.block_table, seq.host_block_table, len(seq), window, self.block_size,
+                                    self.tiered) for seq in seqs] for window in self.reads}
+        loads = {window: [(r, h) for r, row in enumerate(reads) for h in row.loads] for window, reads in rows.items()}
+        graphs = bool(self.decode_batch_sizes) and selection is None and not any(loads.values())  # paged only
+        pad = 0
+        if graphs:  # CUDA: the shapes of the captured graphs
             pad = next((s for s in self.decode_batch_sizes if s >= len(seqs)), len(seqs)) - len(seqs)
             input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
-            lens, tables = lens + [0] * pad, tables + [[]] * pad
-            width = max(width, -(-self.max_model_len // block_size))
-        ctx.slot_mapping = to_device(slots, torch.int64, self.device)
-        ctx.context_lens = to_device(lens, torch.int32, self.device)
-        ctx.block_tables = to_device(padded_rows(tables, width), torch.int32, self.device)
+        ctx = Context(is_prefill=False, selection=selection, slot_mapping=to_device(slots, torch.int64, self.device))
+        for window, reads in rows.items():
+            tables, lens = [row.table for row in reads] + [[]] * pad, [row.length for row in reads] + [0] * pad
+            width = max(map(len, tables))
+            if graphs:
+                width = max(width, window_table_width(window, self.block_size, self.max_model_len))
+            block_tables = to_device(padded_rows(tables, width), torch.int32, self.device)
+            context_lens = to_device(lens, torch.int32, self.device)
+            if window is None:
+                ctx.block_tables, ctx.context_lens, ctx.host_loads = block_tables, context_lens, loads[None]
+            else:
+                starts = to_device([row.start for row in reads] + [0] * pad, torch.int32, self.device)
+                ctx.windows[window] = WindowReads(block_tables, context_lens, starts, loads[window],
+                                                  [skip for row in reads for skip in row.skips])
         return ctx, input_ids, positions, list(range(len(seqs)))

@@ -22,6 +22,12 @@
   pages (:func:`nanovllm.ops.gather_host_pages`), one paged read covers GPU-tier pages, cells and
   staging pages, and the ring's blocks (of the sequences that read everything, and of every
   sequence at the policy's dense layers, read as in FULL decode) are folded in. No host sync.
+- **Sliding windows** (a layer's ``LayerKVSpec.sliding_window``, ``window.py``): prefill gathers and
+  attends to only the prefix tokens the window shows each chunk (``prefill_attention(...,
+  sliding_window)``; XAttention's mask intersected with the window); decode reads each window's
+  rows (``ctx.windows``: tables from the window's first block, the tokens before the window masked
+  by ``context_starts``, the ring loading only host blocks in the window and folding the first from
+  its window start); a choosing policy reads the whole window. Layers without a window read as above.
 """
 import torch
 
@@ -29,8 +35,9 @@ from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection
-from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, gather_kvcache,
-                          prefill_attention, store_kvcache)
+from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, prefill_attention,
+                          store_kvcache)
+from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
 from nanovllm.kvcache.context import Context, PrefixGather, get_context
@@ -74,10 +81,12 @@ class RingReader:
 
 
 class TieredAttention:
-    """Args: policy (the sparse policy), stats (where densities are counted), scale (softmax)."""
+    """Args: policy (the sparse policy), stats (where densities are counted), scale (softmax),
+    windows (each layer's sliding window, None: full attention; default: no layer has one)."""
 
-    def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float):
+    def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float, windows: list[int | None] | None = None):
         self.policy, self.stats, self.scale = policy, stats, scale
+        self.windows = windows
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = None
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
@@ -99,16 +108,30 @@ class TieredAttention:
         if self.reuse is not None:
             self.reuse.forget(host_ids)
 
+    def window(self, layer: int) -> int | None:
+        """``layer``'s sliding window (None: full attention)."""
+        return None if self.windows is None else self.windows[layer]
+
+    def _reads(self, layer: int, ctx: Context):
+        """``(block_tables, context_lens, context_starts, host_loads, host_skips)`` that a decode
+        layer reads without a choosing policy: the full-attention rows, or its window's."""
+        window = self.window(layer)
+        if window is None:
+            return ctx.block_tables, ctx.context_lens, None, ctx.host_loads, None
+        r = ctx.windows[window]
+        return r.block_tables, r.context_lens, r.context_starts, r.host_loads, r.host_skips
+
     def begin_step(self, ctx: Context):
-        """Plan the step's ring loads: every layer reads ``ctx.host_loads``, or with a choosing
-        policy each layer's ``selection.ring_loads`` (on one stream, in order), so the whole step is
-        one plan; a choosing step starts a step of the reuse cache."""
+        """Plan the step's ring loads: every layer reads ``ctx.host_loads`` (a windowed layer its
+        window's), or with a choosing policy each layer's ``selection.ring_loads`` (on one stream,
+        in order), so the whole step is one plan; a choosing step starts a step of the reuse cache."""
         if ctx.selection is not None and self.reuse is not None:
             self.reuse.begin_step()
         if self.ring is not None:
             num_layers = self.k_cache.shape[0]
             if ctx.selection is None:
-                self.ring.reset([(layer, host_id) for layer in range(num_layers) for _, host_id in ctx.host_loads])
+                self.ring.reset([(layer, host_id) for layer in range(num_layers)
+                                 for _, host_id in self._reads(layer, ctx)[3]] if not ctx.is_prefill else [])
             else:
                 self.ring.reset([(layer, host_id) for layer in range(num_layers)
                                  for _, host_id in ctx.selection.ring_loads[layer]], serial=True)
@@ -131,7 +154,10 @@ class TieredAttention:
         if ctx.is_prefill:
             return self._prefill(layer, q, k, v, ctx, k_cache, v_cache)
         if ctx.paged_only:
-            return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+            if self.window(layer) is None:
+                return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+            tables, lens, starts = self._reads(layer, ctx)[:3]
+            return decode_attention(q, k_cache, v_cache, tables, lens, self.scale, context_starts=starts)
         return self._tiered_decode(layer, q, ctx, k_cache, v_cache)
 
     # ---- prefill -----------------------------------------------------------------------
@@ -142,69 +168,84 @@ class TieredAttention:
             self.stats.add_comm(layer, True, read, read)
         if self.policy.dense_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
-                                     ctx.block_tables, prefixes)
+                                     ctx.block_tables, prefixes, self.window(layer))
         return self._sparse_prefill(layer, q, k, v, ctx, k_cache, v_cache, prefixes)
 
     def _gather_prefix(self, layer: int, gather: PrefixGather) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefix's keys and values ``[num_tokens, Hkv, D]``, from both tiers."""
+        """The prefix's keys and values ``[num_tokens - start, Hkv, D]`` (its tokens from
+        ``gather.start`` on), from both tiers."""
         block_size = self.k_cache.shape[2]
-        shape = (-(-gather.num_tokens // block_size), *self.k_cache.shape[2:])
+        shape = (-(-gather.num_tokens // block_size) - gather.start // block_size, *self.k_cache.shape[2:])
         out = [torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2)]
         for buf, cache in zip(out, (self.k_cache, self.v_cache)):
             buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
         for index, host_id in gather.host:
             self.host.read_block(layer, host_id, out[0][index], out[1][index])
-        return out[0].flatten(0, 1)[:gather.num_tokens], out[1].flatten(0, 1)[:gather.num_tokens]
+        n = gather.num_tokens - gather.start
+        return out[0].flatten(0, 1)[:n], out[1].flatten(0, 1)[:n]
 
     def _sparse_prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache, prefixes) -> torch.Tensor:
-        """Per sequence: the policy's mask over its whole context, then block-sparse attention
-        (or dense attention of the whole batch when no sequence is masked)."""
-        block_size, heads = self.policy.prefill_block_size, q.shape[1]
+        """Per sequence: the policy's mask over its whole context (with a window, from the block
+        the window shows its first query; the mask intersected with the window), then block-sparse
+        attention (or dense attention of the whole batch when no sequence is masked)."""
+        block_size, heads, window = self.policy.prefill_block_size, q.shape[1], self.window(layer)
         work, start = [], 0
         for i, (len_q, len_k) in enumerate(zip(ctx.seqlens_q, ctx.seqlens_k)):
             rows, start = slice(start, start + len_q), start + len_q
             if not len_q:
                 continue
-            k_ctx, v_ctx = self._context(i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes)
+            k_ctx, v_ctx = self._context(i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes, window)
             mask = self.policy.prefill_mask(q[rows], k_ctx)
-            visible = heads * causal_visible_blocks(len_q, len_k, block_size)
+            if window is None:
+                visible = heads * causal_visible_blocks(len_q, len_k, block_size)
+            else:
+                visible = heads * visible_blocks(len_q, k_ctx.shape[0], block_size, window)
+                if mask is not None:
+                    mask = mask & visible_block_layout(*mask.shape[1:], block_size, len_q, k_ctx.shape[0], window,
+                                                       mask.device)
             self.stats.add_compute(layer, visible if mask is None else mask.sum(), visible)
             work.append((rows, k_ctx, v_ctx, mask))
         if all(mask is None for *_, mask in work):
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
-                                     ctx.block_tables, prefixes)
+                                     ctx.block_tables, prefixes, window)
         out = torch.empty_like(q)
         for rows, k_ctx, v_ctx, mask in work:
             len_q, len_k = q[rows].shape[0], k_ctx.shape[0]
             if mask is None:
                 prefix = {0: (k_ctx[:len_k - len_q], v_ctx[:len_k - len_q])} if len_k > len_q else None
-                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [len_q], [len_k], self.scale, prefixes=prefix)
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [len_q], [len_k], self.scale, prefixes=prefix,
+                                              sliding_window=window)
             else:
-                out[rows] = block_sparse_attention(q[rows], k_ctx, v_ctx, mask, block_size, self.scale, causal=True)[0]
+                out[rows] = block_sparse_attention(q[rows], k_ctx, v_ctx, mask, block_size, self.scale, causal=True,
+                                                   window=window)[0]
         return out
 
-    @staticmethod
-    def _context(i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes):
-        """Keys and values of sequence i's whole context ``[len_k, Hkv, D]``: its prefix (from
-        ``prefixes`` or the GPU tier), then this chunk's rows."""
+    def _context(self, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
+        """Keys and values of sequence i's context ``[len_k - first, Hkv, D]`` from ``first``: 0,
+        or with a window the first token of the block it shows the chunk's first query (a block
+        boundary): its prefix (from ``prefixes``, their last rows, or the GPU tier), then this
+        chunk's rows."""
         num_prefix = len_k - (rows.stop - rows.start)
         if not num_prefix:
             return k[rows], v[rows]
+        block_size = self.k_cache.shape[2]
+        first = window_start(num_prefix, window) // block_size * block_size
         if i in prefixes:
-            k_pre, v_pre = prefixes[i]
+            k_pre, v_pre = (t[t.shape[0] - (num_prefix - first):] for t in prefixes[i])
         else:
-            k_pre = gather_kvcache(k_cache, ctx.block_tables[i], num_prefix)
-            v_pre = gather_kvcache(v_cache, ctx.block_tables[i], num_prefix)
+            k_pre = gather_tokens(k_cache, ctx.block_tables[i], first, num_prefix)
+            v_pre = gather_tokens(v_cache, ctx.block_tables[i], first, num_prefix)
         return torch.cat([k_pre.to(k.dtype), k[rows]]), torch.cat([v_pre.to(v.dtype), v[rows]])
 
     # ---- decode ------------------------------------------------------------------------
     def _tiered_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
         if ctx.selection is not None:
             return self._selected_decode(layer, q, ctx)
-        out, lse = decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
-                                    return_lse=True)
-        self._fold_ring(q, out, lse, ctx.host_loads)
-        read = len(ctx.host_loads) * self.host.layer_block_bytes
+        tables, lens, starts, loads, skips = self._reads(layer, ctx)
+        out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True,
+                                    context_starts=starts)
+        self._fold_ring(q, out, lse, loads, skips)
+        read = len(loads) * self.host.layer_block_bytes
         self.stats.add_comm(layer, False, read, read)
         return out.to(q.dtype)
 
@@ -248,9 +289,11 @@ class TieredAttention:
             lse.index_copy_(0, batch_rows, group_lse)
         return out, lse, picks.shape[2]
 
-    def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]]):
-        """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``."""
-        for row, _ in loads:
+    def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]], skips: list[int] | None = None):
+        """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``,
+        from their token ``skips[i]`` on (a sliding window's first block; None: whole blocks)."""
+        for i, (row, _) in enumerate(loads):
             k_block, v_block = self.ring.next()
-            decode_attend_merge(q[row], k_block, v_block, out[row], lse[row], self.scale)
+            skip = skips[i] if skips else 0
+            decode_attend_merge(q[row], k_block[skip:], v_block[skip:], out[row], lse[row], self.scale)
             self.ring.done()

@@ -17,18 +17,21 @@ class Attention(nn.Module):
 
     The model runner binds the rank's :class:`nanovllm.kvcache.cache.KVCache` (``kv_cache``) and
     this layer's index (``layer_id``); the cache stores k, v and attends over both of its tiers as
-    the current step's context says (``nanovllm.kvcache.context``).
+    the current step's context says (``nanovllm.kvcache.context``). ``sliding_window`` (tokens,
+    None: full causal attention): a query at position p attends to the keys at p - W + 1 .. p; the
+    model sets it from its config before the cache is built, and it travels in :meth:`kv_spec`.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale = scale
+        self.scale, self.sliding_window = scale, sliding_window
         self.layer_id, self.kv_cache = -1, None
 
     def kv_spec(self, dtype: torch.dtype) -> LayerKVSpec:
-        """What this layer stores per token when the model runs in ``dtype``."""
-        return LayerKVSpec(self.num_kv_heads, self.head_dim, dtype)
+        """What this layer stores per token when the model runs in ``dtype``, and its window."""
+        return LayerKVSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: Rotate | None = None) -> torch.Tensor:
         """Attention of the new tokens; ``rotate`` (RoPE not yet applied to q and k) runs in the

@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Logits stay float32 even for a 16-bit model: rounding them to bfloat16 (8 mantissa bits,
     a step of 1/32 at logit 5) ties or swaps the top candidates of a large vocabulary often
-    enough to change greedy tokens (about 6% of positions of a random-weight 128K-vocab model).
+    enough to change greedy tokens (docs/benchmarks.md, 'Correctness on the GPU').
     A float32 CPU head multiplies through a oneDNN-packed copy of its weight, kept beside the
     plain one, which a tied embedding reads (:mod:`nanovllm.ops.cpu_gemm`).
     """

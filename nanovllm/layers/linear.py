@@ -84,7 +84,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None):
+        """Projection ``shard_id``'s full checkpoint tensor, or (``None``) all of them fused in
+        one tensor in order (e.g. a checkpoint's ``gate_up_proj``): this rank's slice of each."""
+        if shard_id is None:
+            _check_size(loaded, 0, sum(self.output_sizes))
+            for i, part in enumerate(loaded.split(self.output_sizes, 0)):
+                self.weight_loader(param, part, i)
+            return
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         _check_size(loaded, 0, self.output_sizes[shard_id])
@@ -103,8 +110,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = _divide(num_kv_heads, size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None):
+        """``q``, ``k`` or ``v``'s full checkpoint tensor, or (``None``) the three fused in one
+        tensor ``[q; k; v]`` (e.g. a checkpoint's ``qkv_proj``): this rank's heads of each."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id is None:
+            sizes = [q_size * self.tp_size, kv_size * self.tp_size, kv_size * self.tp_size]
+            _check_size(loaded, 0, sum(sizes))
+            for part, name in zip(loaded.split(sizes, 0), "qkv"):
+                self.weight_loader(param, part, name)
+            return
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         _check_size(loaded, 0, size * self.tp_size)
         shard = loaded.narrow(0, self.tp_rank * size, size)

@@ -21,8 +21,12 @@ def _target(name: str, packed: dict) -> tuple[str, object]:
 def load_model(model: nn.Module, path: str):
     """Copy every tensor of ``path/*.safetensors`` into ``model``'s parameters.
 
-    Packed parameters (qkv, gate_up) are filled through ``model.packed_modules_mapping``; each
-    parameter's ``weight_loader`` takes this rank's shard. A tied ``lm_head.weight`` in the
+    Packed parameters (``qkv_proj``, ``gate_up_proj``) are filled either from separate checkpoint
+    tensors through ``model.packed_modules_mapping`` (``q_proj`` -> shard ``"q"`` of ``qkv_proj``,
+    ...), or from one fused checkpoint tensor of the packed parameter's own name (Phi-3's
+    ``qkv_proj``, GLM's and Phi-3's ``gate_up_proj``: the shards concatenated in order), which the
+    parameter's ``weight_loader`` splits into its shards. Either way the ``weight_loader`` takes
+    this rank's slice of each shard (its heads, its rows). A tied ``lm_head.weight`` in the
     checkpoint is skipped.
 
     Raises:

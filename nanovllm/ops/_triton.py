@@ -13,7 +13,7 @@ in ``do_not_specialize`` the ints that follow the sequence lengths (lengths, blo
 the strides of buffers sized by them), and sizes its constexpr tiles from the model and the
 configuration, or from :func:`row_tile` (one width up to 128 blocks), never from a length directly
 (under the interpreter nothing is compiled and tiles stay small): a new prompt length reuses a
-compiled kernel (issue 14: 7 of 12 new lengths in 1.5-2K tokens each paid 1-3 s of compiling).
+compiled kernel (docs/benchmarks.md, 'No per-length compile storms').
 Strides fixed by the model (head_dim, heads, cache rows) stay specialised: their alignment is what
 lets Triton vectorise the loads. ``tests/test_compile_variants.py`` counts the keys.
 """
@@ -187,8 +187,8 @@ def row_tile(n: int, interpret: bool = False) -> int:
     """Tile width of a kernel that holds a whole row of ``n`` key blocks (a sort, a prefix sum):
     the next power of two >= n, for a compiled kernel at least :data:`MIN_ROW_TILE`, so one
     compiled variant serves every row of up to 128 blocks (16K tokens at 128-token blocks) and one
-    more each octave above. Under the interpreter (``interpret``) the bare power of two: 128-wide
-    tiles made the CPU tests 3x slower."""
+    more each octave above. Under the interpreter (``interpret``) the bare power of two, since
+    nothing is compiled there and wide tiles only slow the CPU tests (docs/ops.md, 'Conventions')."""
     return next_pow2(n) if interpret else max(MIN_ROW_TILE, next_pow2(n))
 
 

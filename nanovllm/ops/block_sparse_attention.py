@@ -8,10 +8,9 @@ forward (Dao 2023; online softmax in fp32 with exp2) over, per query tile, only 
 query block keeps. The kept blocks come as two lists built on the device from the mask: *full*
 blocks (every key visible to every row: no masks) and *partial* ones (crossing the causal diagonal
 or the end of the keys), each walked in one flat loop of key tiles so Triton pipelines the K/V
-loads (TMA bulk copies where allowed) across blocks. On the H200 (docs/benchmarks.md) it takes
-0.13 / 0.35 / 0.57 of cuDNN's dense causal time at densities 0.1 / 0.3 / 0.5 (FlexAttention with
-a ``BlockMask`` from the same lists was 6-15% slower than an earlier version of it), needs no
-torch.compile and runs under Triton's interpreter in the CPU tests.
+loads (TMA bulk copies where allowed) across blocks. It needs no torch.compile and runs under
+Triton's interpreter in the CPU tests. Its time against cuDNN's dense causal attention, and the
+FlexAttention backend it replaced: docs/benchmarks.md, 'XAttention kernels at 32K', and docs/ops.md.
 """
 
 import torch
@@ -21,6 +20,13 @@ from ._triton import (
     check_same_device, check_scale, is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
 )
 from .block_lists import kept_block_lists
+
+
+def check_window(window, causal: bool) -> int | None:
+    """``window`` (None or an int >= 1, with causal); ValueError naming it otherwise."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not causal):
+        raise ValueError(f"window={window!r} must be None or an int >= 1 with causal=True")
+    return window
 
 
 def _check_args(q, k, v, mask, block_size) -> None:
@@ -51,12 +57,14 @@ def block_sparse_attention_ref(
     block_size: int = 128,
     scale: float | None = None,
     causal: bool = True,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`block_sparse_attention` (same arguments and results): dense fp32
     scores (float64 inputs: float64) with -inf outside the kept blocks and, if causal, above the
-    bottom-right diagonal; one head and at most 4096 query rows at a time."""
+    bottom-right diagonal and before the window; one head and at most 4096 query rows at a time."""
     _check_args(q, k, v, mask, block_size)
     block_size, scale, causal = int(block_size), check_scale(scale), check_causal(causal)
+    window = check_window(window, causal)
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     scale = dim**-0.5 if scale is None else scale
@@ -79,6 +87,8 @@ def block_sparse_attention_ref(
             if causal:
                 q_pos = torch.arange(rows.start, rows.stop, device=q.device) + (seq_k - seq_q)
                 allowed = allowed & (key_pos[None, :] <= q_pos[:, None])
+                if window is not None:
+                    allowed = allowed & (key_pos[None, :] > q_pos[:, None] - window)
             scores = scores.masked_fill(~allowed, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - torch.where(torch.isneginf(row_lse), 0.0, row_lse)[:, None])
@@ -115,16 +125,17 @@ def _load_kv(k_src, v_src, pos, pos0, col, key_end, d, d_mask, stride_ks, stride
 
 @triton.jit
 def _bsa_tile(
-    q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2,
+    q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos, window, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_ks, stride_vs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """One online-softmax step (FlashAttention-2) over tile t of a block list: tile ``t % TILES``
     of key block ``block`` (= ``index[t // TILES]``). Unmasked: every key is visible to every row
     (a *full* block). MASKED: keys >= key_end and, if causal, keys past a row's position ``q_pos``
-    are hidden. Also loads and returns the block index of tile t + 1 (0 past the list), so its
-    global-memory latency overlaps this tile: read at its own tile, it stalled every tile (13% of
-    the kernel time at density 0.5 on the H200)."""
+    (WINDOWED: and keys at or before ``q_pos - window``) are hidden. Also loads and returns the
+    block index of tile t + 1 (0 past the list), so its global-memory latency overlaps this tile:
+    read at its own tile, it stalls every tile (docs/benchmarks.md, 'XAttention kernels at 32K')."""
     TILES: tl.constexpr = BLOCK_SIZE // BLOCK_N
     next_block = tl.load(index_row + (t + 1) // TILES, mask=t + 1 < tiles, other=0)
     pos0 = block * BLOCK_SIZE + (t % TILES) * BLOCK_N
@@ -135,6 +146,8 @@ def _bsa_tile(
         vis = (pos < key_end)[None, :]
         if CAUSAL:
             vis = vis & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            vis = vis & (pos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = online_softmax_step(tl.where(vis, s * scale_log2, float("-inf")), v, m_i, l_i, acc,
                                             DOT_PRECISION)
     else:
@@ -148,9 +161,10 @@ def _bsa_tile(
 
 @triton.jit
 def _bsa_list(
-    q, k_src, v_src, col, count, index_row, key_end, q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks,
+    q, k_src, v_src, col, count, index_row, key_end, q_pos, window, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks,
     stride_vs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_D: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """The key tiles of the ``count`` blocks listed at ``index_row``, in one flat loop (tile t is
     tile ``t % TILES`` of block ``index[t // TILES]``), so Triton pipelines the K/V loads across
@@ -160,26 +174,29 @@ def _bsa_list(
     if WHILE_LOOP:  # Triton's interpreter cannot take tensor bounds in range()
         t = count * 0
         while t < tiles:
-            m_i, l_i, acc, block = _bsa_tile(q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos, m_i,
-                                             l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE,
-                                             BLOCK_N, MASKED, CAUSAL, EVEN_D, TMA, DOT_PRECISION)
+            m_i, l_i, acc, block = _bsa_tile(q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos,
+                                             window, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs,
+                                             BLOCK_SIZE, BLOCK_N, MASKED, CAUSAL, EVEN_D, TMA, DOT_PRECISION,
+                                             WINDOWED)
             t += 1
     else:
         for t in range(0, tiles):
-            m_i, l_i, acc, block = _bsa_tile(q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos, m_i,
-                                             l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE,
-                                             BLOCK_N, MASKED, CAUSAL, EVEN_D, TMA, DOT_PRECISION)
+            m_i, l_i, acc, block = _bsa_tile(q, k_src, v_src, index_row, t, tiles, block, col, key_end, q_pos,
+                                             window, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs,
+                                             BLOCK_SIZE, BLOCK_N, MASKED, CAUSAL, EVEN_D, TMA, DOT_PRECISION,
+                                             WINDOWED)
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "offset", "stride_ch", "stride_ih", "stride_iq", "stride_lh"])
+@triton.jit(do_not_specialize=["seq_q", "seq_k", "offset", "window", "stride_ch", "stride_ih", "stride_iq",
+                               "stride_lh"])
 def _bsa_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, count_ptr, index_ptr, full_count_ptr, full_index_ptr, out_ptr, lse_ptr,
-    seq_q, seq_k, offset, scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os,
-    stride_oh, stride_ch, stride_ih, stride_iq, stride_lh,
+    seq_q, seq_k, offset, window, scale_log2, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_os, stride_oh, stride_ch, stride_ih, stride_iq, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """BLOCK_M query rows of one q head: the full kept blocks without masks, then the partial
     ones (crossing the causal diagonal or the end of the keys) with masks. Query tiles run last
@@ -211,11 +228,11 @@ def _bsa_kernel(
     lists = h * stride_ch + q_block
     rows_at = h * stride_ih + q_block * stride_iq
     m_i, l_i, acc = _bsa_list(q, k_src, v_src, col, tl.load(full_count_ptr + lists), full_index_ptr + rows_at, seq_k,
-                              q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE, BLOCK_N,
-                              False, CAUSAL, EVEN_D, TMA, DOT_PRECISION, WHILE_LOOP)
+                              q_pos, window, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE,
+                              BLOCK_N, False, CAUSAL, EVEN_D, TMA, DOT_PRECISION, WHILE_LOOP, WINDOWED)
     m_i, l_i, acc = _bsa_list(q, k_src, v_src, col, tl.load(count_ptr + lists), index_ptr + rows_at, seq_k,
-                              q_pos, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE, BLOCK_N,
-                              True, CAUSAL, EVEN_D, TMA, DOT_PRECISION, WHILE_LOOP)
+                              q_pos, window, m_i, l_i, acc, d, d_mask, scale_log2, stride_ks, stride_vs, BLOCK_SIZE,
+                              BLOCK_N, True, CAUSAL, EVEN_D, TMA, DOT_PRECISION, WHILE_LOOP, WINDOWED)
     seen = l_i != 0  # 0: no key seen; NaN (NaN/inf inputs) propagates to out and lse
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_os + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -241,12 +258,11 @@ def _tiles(q: torch.Tensor, block_size: int) -> tuple[int, int, int]:
 
 
 STAGES = {True: 3, False: 2}
-"""Pipeline stages of the K/V loads with and without TMA. Measured on the H200 (bf16, head_dim
-128, 32K tokens; docs/benchmarks.md): with TMA 3 stages beat 2 by 4-7%; pointer loads gain
-nothing from a third stage; 64-row tiles and 4 warps at 128 rows were slower."""
+"""Pipeline stages of the K/V loads with and without TMA: a third stage pays only with TMA (the
+sweep of stages, tiles and warps: docs/benchmarks.md, 'XAttention kernels at 32K')."""
 
 
-def _bsa_triton(q, k, v, mask, block_size, scale, causal):
+def _bsa_triton(q, k, v, mask, block_size, scale, causal, window=None):
     seq_q, heads_q, dim = q.shape
     seq_k, heads_kv = k.shape[0], k.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -254,16 +270,17 @@ def _bsa_triton(q, k, v, mask, block_size, scale, causal):
     v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads_q, seq_q), dtype=torch.float32, device=q.device)
-    full_count, full_index, count, index = kept_block_lists(mask, block_size, seq_q, seq_k, causal)
+    full_count, full_index, count, index = kept_block_lists(mask, block_size, seq_q, seq_k, causal, window)
     block_m, block_n, warps = _tiles(q, block_size)
     k_desc, v_desc = _kv_descriptors(k, v, block_n)
     _bsa_kernel[(cdiv(seq_q, block_m), heads_q)](
         q, k, v, k_desc, v_desc, count, index, full_count, full_index, out, lse, seq_q, seq_k, seq_k - seq_q,
-        scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), count.stride(0), index.stride(0), index.stride(1), lse.stride(0),
+        window or 0, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), count.stride(0), index.stride(0), index.stride(1), lse.stride(0),
         GROUP=heads_q // heads_kv, HEAD_DIM=dim, BLOCK_D=block_dim(dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=bool(causal), TMA=k_desc is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda, num_warps=warps,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda,
+        WINDOWED=window is not None, num_warps=warps,
         num_stages=STAGES[k_desc is not None],
     )
     return out, lse
@@ -277,11 +294,13 @@ def block_sparse_attention(
     block_size: int = 128,
     scale: float | None = None,
     causal: bool = True,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over the key blocks that ``mask`` keeps, with the log-sum-exp.
 
     Query row i (local; position ``Sk - Sq + i``) of query block ``i // block_size`` attends to key
-    j iff ``mask[h, i // block_size, j // block_size]`` and, if causal, ``j <= Sk - Sq + i``.
+    j iff ``mask[h, i // block_size, j // block_size]`` and, if causal, ``j <= Sk - Sq + i`` and, with
+    a sliding window, ``j > Sk - Sq + i - window``.
 
     Args:
         q: ``[Sq, Hq, D]``; k, v: ``[Sk, Hkv, D]``; ``Hq % Hkv == 0`` (GQA: q head h uses kv head
@@ -292,6 +311,8 @@ def block_sparse_attention(
         block_size: tokens per block, a power of two in 16..1024.
         scale: softmax scale, a finite real > 0 (default ``D ** -0.5``).
         causal: bottom-right aligned causal mask inside the kept blocks.
+        window: None, or a causal sliding window in tokens (an int >= 1; needs causal): kept blocks
+            wholly before it are not read, those crossing its edge are masked per key.
 
     Returns:
         ``(out [Sq, Hq, D] in q.dtype, lse float32 [Hq, Sq])``, lse the natural log of the sum of
@@ -303,7 +324,8 @@ def block_sparse_attention(
     Raises:
         ValueError: q/k/v/mask not tensors on one device, shapes that disagree, Hq not a multiple
             of Hkv, D outside 1..256, block_size not a power of two in 16..1024, mask not bool of
-            the shape above, scale not a finite real number > 0, or causal not a bool.
+            the shape above, scale not a finite real number > 0, causal not a bool, or window
+            not None / an int >= 1 with causal.
 
     CUDA: the block lists (:func:`nanovllm.ops.block_lists.kept_block_lists`: one small kernel,
     no host sync), then one attention kernel (grid ``ceil(Sq/128) x Hq``; 128 query rows x 128-key tiles, 8 warps;
@@ -318,9 +340,10 @@ def block_sparse_attention(
     """
     _check_args(q, k, v, mask, block_size)
     block_size, scale, causal = int(block_size), check_scale(scale), check_causal(causal)
+    window = check_window(window, causal)
     scale = q.shape[2] ** -0.5 if scale is None else scale
     if q.dtype == torch.float64 or not use_triton(q):
-        return block_sparse_attention_ref(q, k, v, mask, block_size, scale, causal)
+        return block_sparse_attention_ref(q, k, v, mask, block_size, scale, causal, window)
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return block_sparse_attention_ref(q, k, v, mask, block_size, scale, causal)
-    return _bsa_triton(q, k, v, mask, block_size, scale, causal)
+        return block_sparse_attention_ref(q, k, v, mask, block_size, scale, causal, window)
+    return _bsa_triton(q, k, v, mask, block_size, scale, causal, window)

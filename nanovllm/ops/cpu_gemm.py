@@ -2,11 +2,9 @@
 
 torch's ``F.linear`` runs MKL's sgemm over the plain ``[N, K]`` weight on every call. oneDNN's
 linear reads a weight reordered once into its blocked layout: ``torch.ops.mkldnn._reorder_linear_weight``
-then ``torch.ops.mkldnn._linear_pointwise``, the pair torch's inductor uses for frozen CPU models.
-Measured on this project's 2-core AMD EPYC machine (1 thread, CPU time per call), SmolLM2-135M's
-shapes: 16-row decode GEMMs 1.2-2.2x faster (gate/up 1404 -> 708 us, LM head 27.9 -> 12.6 ms),
-616-row prefill GEMMs ~1.2x (gate/up 24.8 -> 21.0 ms). The weight is packed without a batch-size
-hint: hints of 1, 16 or 512 rows were no faster across 1-616 rows. The results differ from
+then ``torch.ops.mkldnn._linear_pointwise``, the pair torch's inductor uses for frozen CPU models;
+it is faster for decode's few rows and prefill's many (docs/ops.md, 'cpu_gemm.py'). The weight is
+packed without a batch-size hint (a hint did not pay, same section). The results differ from
 sgemm's by float32 summation order only (greedy SmolLM2 tokens stay equal to transformers').
 """
 

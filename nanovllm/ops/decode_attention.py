@@ -19,31 +19,30 @@ from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_hea
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, decode_cpu
-from .store_kv import gather_kvcache
 
 _BLOCK_G = MIN_DOT_ROWS
 """q heads per program: a GQA group (padded) or a 16-head slice of a larger one."""
 _UNSPLIT_PROGRAMS_PER_SM = 3
 """A batch with at least this many (sequence, KV head) programs per SM is not split: about as
-many as fit on an SM at once, so the GPU is already full (H200, bench.py's batches: splitting
-128 sequences x 8 heads was 0-8% slower)."""
+many as fit on an SM at once, so the GPU is already full and splitting only adds the merge
+(docs/ops.md, 'Splits only for an under-filled GPU')."""
 _PROGRAMS_PER_SM = 12
-"""Below that, split-K aims at this many programs per SM (H200, contexts of 1-2K: 48 sequences x 8
-heads 12% faster in 4 splits than in 2, 16 sequences 15% faster in 8 than in 5)."""
+"""Below that, split-K aims at this many programs per SM (chosen on bench.py's decode batches:
+docs/ops.md, 'Splits only for an under-filled GPU')."""
 _MAX_SPLITS = 32
 """Most splits chosen automatically; the merge kernel's compiled tile always covers this many, so
 its one variant serves every context length."""
 _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
-"""KV tokens per tile for head_dim <= 128 (half of it above); 32 and 128 measured slower."""
+"""KV tokens per tile for head_dim <= 128 (half of it above); other tiles: docs/ops.md, 'Measured on the H200'."""
 _MAX_BATCH = 65535
 """Largest decode batch: the batch is the grid's second dimension, which CUDA caps at 65535."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D]; got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -66,6 +65,10 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError(f"context_lens must be [B={q.shape[0]}]; got {tuple(context_lens.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
+    if context_starts is not None and (context_starts.shape != (q.shape[0],) or context_starts.dtype not in (
+            torch.int32, torch.int64)):
+        raise ValueError(f"context_starts must be int32 or int64 [B={q.shape[0]}]; got {context_starts.dtype} "
+                         f"{tuple(context_starts.shape)}")
 
 
 def decode_attention_ref(
@@ -76,37 +79,37 @@ def decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     return_lse: bool = False,
+    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`decode_attention` (same arguments and result; one
-    :func:`flash_attn_with_lse_ref` per sequence in float32, float64 inputs in float64; reads
-    context_lens on the host). Raises ValueError when a context length is outside
-    0..max_blocks * block_size."""
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    :func:`flash_attn_with_lse_ref` per sequence over its tokens ``context_starts[b] ..
+    context_lens[b] - 1``, in float32, float64 inputs in float64; reads the lengths and starts on
+    the host). Raises ValueError when a context length is outside 0..max_blocks * block_size or a
+    start outside 0..its length."""
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts)
     dtype = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     lengths = context_lens.tolist()
-    check_context_lens(lengths, block_tables.shape[-1] * k_cache.shape[1])
-    heads_kv = k_cache.shape[2]
-    group = q.shape[1] // heads_kv
-    for b, length in enumerate(lengths):
-        if not length:
-            continue
-        # per KV head: its table, its heads of keys and values, its GQA group of queries
-        for h, table in enumerate(block_tables[b] if block_tables.dim() == 3 else [block_tables[b]] * heads_kv):
-            heads = slice(h * group, (h + 1) * group) if block_tables.dim() == 3 else slice(None)
-            kv_heads = slice(h, h + 1) if block_tables.dim() == 3 else slice(None)
-            blocks = table[torch.arange(length, device=table.device) // k_cache.shape[1]].long()
-            slots = (blocks * k_cache.shape[1] + torch.arange(length, device=table.device) % k_cache.shape[1])
-            slots = slots[blocks >= 0]  # a -1 table entry reads nothing
-            keys = k_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
-            values = v_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+    starts = [0] * len(lengths) if context_starts is None else context_starts.tolist()
+    check_context_lens(lengths, block_tables.shape[-1] * k_cache.shape[1], starts)
+    block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    per_head = block_tables.dim() == 3
+    group = q.shape[1] // heads_kv if per_head else q.shape[1]
+    for b, (start, length) in enumerate(zip(starts, lengths)):
+        pos = torch.arange(start, length, device=block_tables.device)
+        for h in range(heads_kv if per_head else 1):  # a table per KV head, or one for all
+            table = block_tables[b, h] if per_head else block_tables[b]
+            heads = slice(h * group, (h + 1) * group)
+            kv_heads = slice(h, h + 1) if per_head else slice(None)
+            blocks = table[pos // block_size].long()
+            slots = (blocks * block_size + pos % block_size)[blocks >= 0]  # a -1 table entry reads nothing
             if not slots.numel():
                 continue
+            keys = k_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            values = v_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
             out_b, lse_b = flash_attn_with_lse_ref(q[b, heads][None, None].to(dtype), keys, values, scale, False)
             out[b, heads], lse[b, heads] = out_b[0, 0], lse_b[0, :, 0]
-            if block_tables.dim() == 2:
-                break
     return (out, lse) if return_lse else out.to(q.dtype)
 
 
@@ -141,18 +144,21 @@ def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.c
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_th", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, starts_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_tb, stride_th, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
     them (output in its dtype, LSE in natural log), so no merge kernel runs. ``stride_th``: 0 when
-    every KV head reads the sequence's one table, else the stride between the heads' tables."""
+    every KV head reads the sequence's one table, else the stride between the heads' tables.
+    ``HAS_STARTS``: the split's tokens before the row's start (``starts_ptr``, a sliding window's
+    first visible token) are skipped: its loop begins there, so blocks wholly before it are never
+    read."""
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(0) // G_CHUNKS
     g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -165,16 +171,18 @@ def _decode_split_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     start = split * tokens_per_split
     end = tl.minimum(tl.minimum(start + tokens_per_split, tl.load(lens_ptr + b)), max_tokens)
+    if HAS_STARTS:
+        start = tl.maximum(start, tl.load(starts_ptr + b))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table_row = table_ptr + b * stride_tb + kv_head * stride_th
-    # Each tile's block ids are loaded during the tile before it (1-2% faster on the H200 than
-    # loading them with the tile). Triton's interpreter (numpy 2) cannot take tensor bounds in
-    # range(); compiled kernels keep the for loop, which Triton software-pipelines (the while form
-    # ran 10-20% slower on the H200).
+    # Each tile's block ids are loaded during the tile before it, so a tile's K/V loads do not wait
+    # for its ids. Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled
+    # kernels keep the for loop, which Triton software-pipelines (the while form is slower:
+    # docs/ops.md, 'Measured on the H200').
     block = _tile_blocks(table_row, start, end, BLOCK_N, BLOCK_SIZE)
     if WHILE_LOOP:
         n0 = start
@@ -249,7 +257,7 @@ def _split_plan(programs_per_split: int, max_tokens: int, block_n: int, device, 
     return max(1, cdiv(max_tokens, tokens_per_split)), tokens_per_split
 
 
-def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse):
+def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse, context_starts):
     batch, heads_q, dim = q.shape
     block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
@@ -260,6 +268,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    starts = lens if context_starts is None else context_starts.contiguous()  # not read without starts
     out = torch.empty((batch, heads_q, dim), dtype=torch.float32 if return_lse else q.dtype, device=q.device)
     # One split (a large batch): the split kernel writes the result itself, its LSE too (a scratch
     # row when not asked for), so that the kernel has one form per dtype.
@@ -273,7 +282,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
         lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
     _decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
-        q, k_cache, v_cache, tables, lens, o_part, lse_part,
+        q, k_cache, v_cache, tables, lens, starts, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
@@ -282,7 +291,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=final,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        HAS_STARTS=context_starts is not None, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not final:
         _decode_reduce_kernel[(batch, heads_q)](
@@ -304,6 +313,7 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     return_lse: bool = False,
+    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each sequence's one new query over its paged cached context.
 
@@ -322,36 +332,45 @@ def decode_attention(
         num_splits: split-K chunks per sequence; None picks one from B, heads and M only.
         return_lse: also return the log-sum-exp, for merging with attention over other keys
             (:func:`merge_attention_outputs`).
+        context_starts: int32 ``[B]`` or None: row b attends to its tokens ``context_starts[b] ..
+            context_lens[b] - 1`` only (indices into its table's tokens, ``0 <= start <= length``;
+            None: from 0). A sliding window's caller passes a table that begins at the window's
+            first block and the window's first token in it; tokens before a start are never read.
+            A row with nothing to read gives out 0 and lse -inf.
 
     Returns:
         ``out [B, Hq, D]`` in q.dtype; with ``return_lse`` ``(out, lse)``: out float32 (the
         normalised output before any cast to q.dtype; float64 for float64 q on the reference
         path) and lse float32 ``[B, Hq]``, natural log of the sum of exp(scaled scores), -inf
-        where ``context_lens[b] == 0`` (out 0 there).
+        where row b reads no token (out 0 there).
 
     Raises:
         ValueError: inconsistent shapes, Hq not a multiple of Hkv, D outside 1..256, a
-            non-contiguous cache head_dim, num_splits < 1, return_lse not a bool; the reference
-            also rejects context lengths out of range.
+            non-contiguous cache head_dim, num_splits < 1, return_lse not a bool, context_starts
+            not an int32/int64 ``[B]``; the reference and the CPU path also reject context lengths
+            and starts out of range.
 
     CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
     also writes the merged LSE when asked; with one split, e.g. a large batch, the split pass
     writes the result itself and no merge runs), with a grid fixed by the shapes and no host sync, so
-    the call is CUDA-graph capturable (run it once before capture so Triton compiles). On the H200
-    it read KV at 4.1-4.4 TB/s for batch 64-256 at 2K-4K tokens (cuDNN over contiguous KV:
-    4.2-4.6), so flash_attn's paged kernel is not used. Lengths are not range-checked on the
-    device. CPU: the whole batch in one call of torch's fused CPU flash attention
-    (:func:`nanovllm.ops.decode_cpu.decode_cpu`), lengths range-checked; without Triton on another device:
+    the call is CUDA-graph capturable (run it once before capture so Triton compiles). It reads KV
+    about as fast as cuDNN over contiguous KV (docs/ops.md, 'Measured on the H200'), so
+    flash_attn's paged kernel is not used. With ``context_starts`` each split's loop begins at the
+    row's start (a variant of the split kernel compiled for it; without starts the kernel is
+    unchanged). Lengths and starts are not range-checked on the device. CPU: the whole batch in one
+    call of torch's fused CPU flash attention (:func:`nanovllm.ops.decode_cpu.decode_cpu`),
+    range-checked; without Triton on another device:
     :func:`decode_attention_ref`.
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     if return_lse not in (True, False):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
     return_lse = bool(return_lse)
     if q.shape[0] and use_triton(q):
-        return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse)
+        return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse,
+                              context_starts)
     if q.device.type == "cpu":
-        return decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+        return decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts)

@@ -26,9 +26,9 @@ _SPLIT_BELOW_PROGRAMS = 32
 _MIN_SPLIT_KEYS = 256
 """... into about this many keys a part or more (the keys must be at least two parts' worth) ..."""
 _SPLIT_PROGRAMS = 128
-"""... aiming at this many programs (one batch-1 decode layer's fold of a 4,096-token block of
-Llama-3.1-8B: 8 programs unsplit took 100 us on the H200, the fixed block's fold on QUEST's
-per-layer chain)..."""
+"""... aiming at this many programs (a batch-1 fold of one large block by a model with few KV
+heads, e.g. the fixed host block on QUEST's per-layer chain, is otherwise a handful of programs:
+docs/ops.md, 'decode_merge.py')..."""
 _MAX_SPLITS = 32
 """... and at most this many parts."""
 
@@ -180,10 +180,9 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
     CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles; when
     those programs are few (under 32) and the keys many (512 or more), the keys are split into parts
-    (up to 32, aiming at 128 programs; unsplit, a batch-1 fold of a 4,096-token Llama-3.1-8B block
-    took 100 us on the H200) and a second launch merges the parts into the state (a fixed
-    reduction: deterministic). CPU: :func:`decode_attend_merge_ref` (or the kernels under the Triton
-    interpreter).
+    (up to 32, aiming at 128 programs; docs/ops.md, 'decode_merge.py', says what it gains) and a
+    second launch merges the parts into the state (a fixed reduction: deterministic). CPU:
+    :func:`decode_attend_merge_ref` (or the kernels under the Triton interpreter).
     """
     _check_args(q, k, v, out, lse)
     if k.shape[0] == 0:

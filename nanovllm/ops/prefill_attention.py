@@ -8,6 +8,8 @@ import torch
 from ._triton import cdiv, check_gqa, check_head_dim
 from .chunked_attention import flash_attn_with_lse, flash_attn_with_lse_ref, merge_attention_outputs
 from .store_kv import gather_kvcache
+from .window_attention import (check_window, flash_window, gather_tokens, sliding_window_attention,
+                               sliding_window_attention_ref, window_start)
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,19 @@ def _check_lengths(num_tokens: int, seqlens_q: list[int], seqlens_k: list[int]) 
             raise ValueError(f"sequence {i}: need 0 <= seqlens_q={len_q} <= seqlens_k={len_k}")
 
 
-def _check_prefixes(k, seqlens_q, seqlens_k, prefixes) -> None:
+def _check_prefixes(k, seqlens_q, seqlens_k, prefixes, window) -> None:
     for i, (k_pre, v_pre) in prefixes.items():
         if not 0 <= i < len(seqlens_q):
             raise ValueError(f"prefixes has sequence {i}, outside 0..{len(seqlens_q) - 1}")
-        shape = (seqlens_k[i] - seqlens_q[i], *k.shape[1:])
+        prefix = seqlens_k[i] - seqlens_q[i]
+        shape = (prefix, *k.shape[1:])
+        if window is not None and k_pre.shape == v_pre.shape and tuple(k_pre.shape[1:]) == shape[1:] and \
+                prefix - window_start(prefix, window) <= k_pre.shape[0] <= prefix:
+            continue  # a window needs only the prefix's last tokens
         if tuple(k_pre.shape) != shape or tuple(v_pre.shape) != shape:
-            raise ValueError(f"prefixes[{i}] must be two tensors of shape {shape}; got {tuple(k_pre.shape)} and "
-                             f"{tuple(v_pre.shape)}")
+            least = "" if window is None else f" (or its last {prefix - window_start(prefix, window)} or more rows)"
+            raise ValueError(f"prefixes[{i}] must be two tensors of shape {shape}{least}; got {tuple(k_pre.shape)} "
+                             f"and {tuple(v_pre.shape)}")
 
 
 def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes) -> None:
@@ -74,10 +81,12 @@ def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefix
         )
 
 
-def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes) -> None:
+def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, window) -> None:
     _check_packed(q, k, v)
+    if window is not None:
+        check_window(window)
     _check_lengths(q.shape[0], seqlens_q, seqlens_k)
-    _check_prefixes(k, seqlens_q, seqlens_k, prefixes)
+    _check_prefixes(k, seqlens_q, seqlens_k, prefixes, window)
     _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
 
 
@@ -96,40 +105,61 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, dtype) -> torch.Tensor:
-    """The first ``num_tokens`` keys (which=0) or values (1) of sequence i: given in
-    ``prefixes``, or gathered from the paged cache."""
+def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, dtype,
+            window: int | None = None) -> torch.Tensor:
+    """The first ``num_tokens`` keys (which=0) or values (1) of sequence i, or with a window only
+    those its chunk's first query sees (from ``window_start(num_tokens, window)``): given in
+    ``prefixes`` (their last rows), or gathered from the paged cache (only the blocks holding them)."""
+    first = window_start(num_tokens, window)
     if i in prefixes:
-        return prefixes[i][which].to(dtype)
+        return prefixes[i][which][prefixes[i][which].shape[0] - (num_tokens - first):].to(dtype)
+    if first:
+        return gather_tokens(cache, block_tables[i], first, num_tokens).to(dtype)
     return gather_kvcache(cache, block_tables[i], num_tokens).to(dtype)
 
 
-def _packed_context(which, k, cache, seqs, block_tables, prefixes) -> torch.Tensor:
-    """Keys (or values) of all sequences packed: the new rows, each prefixed sequence's prefix
-    inserted before its rows. The rows between two prefixes are one slice (a chunk usually has
-    one prefixed sequence: one cat of three pieces, not a slice per sequence)."""
+def _packed_context(which, k, cache, seqs, block_tables, prefixes, window=None) -> torch.Tensor:
+    """Keys (or values) of all sequences packed: the new rows, each prefixed sequence's prefix (the
+    part the window shows) inserted before its rows. The rows between two prefixes are one slice
+    (a chunk usually has one prefixed sequence: one cat of three pieces, not a slice per sequence)."""
     pieces, start = [], 0
     for i, rows, prefix in seqs:
         if prefix:
-            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype)]
+            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype, window)]
             start = rows.start
     if not pieces:
         return k
     return torch.cat([*pieces, k[start:]])
 
 
-def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
+def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, window=None):
     """All sequences in one launch of torch's varlen FlashAttention-2 (GQA native, causal mask
-    bottom-right aligned per sequence)."""
+    bottom-right aligned per sequence; with a window, its band, over only the prefix tokens the
+    window shows)."""
     seqs = list(_sequences(seqlens_q, seqlens_k))
-    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes)
-    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes)
+    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes, window)
+    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes, window)
     lens_q = [seqlens_q[i] for i, _, _ in seqs]
-    lens_k = [seqlens_k[i] for i, _, _ in seqs]
-    return torch.ops.aten._flash_attention_forward(
-        q, keys, values, _cumulative(lens_q, q.device), _cumulative(lens_k, q.device),
-        max(lens_q), max(lens_k), 0.0, True, False, scale=scale,
-    )[0]
+    lens_k = [seqlens_k[i] - window_start(prefix, window) for i, _, prefix in seqs]
+    cu_q, cu_k = _cumulative(lens_q, q.device), _cumulative(lens_k, q.device)
+    if window is not None:
+        return flash_window(q, keys, values, cu_q, cu_k, max(lens_q), max(lens_k), scale, window)
+    return torch.ops.aten._flash_attention_forward(q, keys, values, cu_q, cu_k, max(lens_q), max(lens_k), 0.0,
+                                                   True, False, scale=scale)[0]
+
+
+def _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, window,
+                    attend=sliding_window_attention):
+    """Per sequence: its chunk over [the prefix tokens the window shows, its new rows] through
+    ``attend`` (:func:`sliding_window_attention` or its reference)."""
+    out = torch.empty_like(q)
+    for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
+        keys, values = k[rows], v[rows]
+        if prefix:
+            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, window), keys])
+            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, window), values])
+        out[rows] = attend(q[rows], keys, values, scale, window)
+    return out
 
 
 def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
@@ -147,14 +177,16 @@ def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache
     return out
 
 
-def _use_varlen(q: torch.Tensor, seqlens_q: list[int]) -> bool:
-    """Several short sequences in fp16/bf16 on CUDA. Each per-sequence step costs 0.1-0.25 ms of
-    host time, while varlen FlashAttention-2 ran at 80-280 TFLOP/s against cuDNN's ~550 on the
-    H200: 64 x 300, 16 x 1000 and 8 x 512 (+1536 cached) tokens were faster through varlen,
-    4 x 2048 through cuDNN."""
+def _use_varlen(q: torch.Tensor, seqlens_q: list[int], window: int | None = None) -> bool:
+    """Several short sequences in fp16/bf16 on CUDA, or with a sliding window any (the one fused
+    kernel with a window): each per-sequence step costs host time, while varlen FlashAttention-2
+    runs at a fraction of cuDNN's rate, so many short sequences go through varlen and few long
+    ones through cuDNN (docs/ops.md, 'prefill_attention.py')."""
     lengths = [n for n in seqlens_q if n]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (q.dtype, q.shape[2]) not in _varlen_failed
-            and len(lengths) > 1 and sum(lengths) <= _VARLEN_MAX_MEAN_TOKENS * len(lengths))
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (q.dtype, q.shape[2]) not in _varlen_failed
+            and lengths):
+        return False
+    return window is not None or (len(lengths) > 1 and sum(lengths) <= _VARLEN_MAX_MEAN_TOKENS * len(lengths))
 
 
 def prefill_attention_ref(
@@ -168,11 +200,16 @@ def prefill_attention_ref(
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`prefill_attention`: per sequence, one fp32 causal softmax over
-    [prefix, new rows] (same arguments and result)."""
+    [prefix, new rows], with a window :func:`sliding_window_attention_ref` over [the prefix tokens
+    it shows, new rows] (same arguments and result)."""
     prefixes = prefixes or {}
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
+    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, sliding_window)
+    if sliding_window is not None:
+        return _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes,
+                               sliding_window, sliding_window_attention_ref)
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
@@ -194,8 +231,9 @@ def prefill_attention(
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Packed variable-length causal prefill attention.
+    """Packed variable-length causal prefill attention, optionally in a sliding window.
 
     Args:
         q: ``[Nq, Hq, D]``; k, v: ``[Nq, Hkv, D]`` (the new tokens), ``Hq % Hkv == 0``,
@@ -211,11 +249,17 @@ def prefill_attention(
             of each sequence that has a prefix (except those in ``prefixes``).
         prefixes: ``{i: (k_prefix, v_prefix)}``, each ``[seqlens_k[i] - seqlens_q[i], Hkv, D]``:
             the prefix of sequence i, already gathered (e.g. from two KV tiers), instead of the
-            cache's.
+            cache's; with a window, possibly only its last rows (at least those the window shows:
+            ``min(prefix, sliding_window - 1)``).
+        sliding_window: None, or each query at position p attends only to the keys at
+            ``p - sliding_window + 1 .. p`` (an int >= 1): only the prefix tokens some query of a
+            chunk sees are gathered (from ``window_start(prefix, sliding_window)`` on) and the
+            key blocks before them are never read.
 
     Returns:
         ``[Nq, Hq, D]`` in q.dtype; query j of sequence i sits at position
-        ``seqlens_k[i] - seqlens_q[i] + j`` and sees keys up to it (causal).
+        ``seqlens_k[i] - seqlens_q[i] + j`` and sees keys up to it (causal; with a window, the
+        last ``sliding_window`` of them).
 
     Raises:
         ValueError: inconsistent shapes or lengths, a prefix without cache/block tables, a
@@ -230,15 +274,19 @@ def prefill_attention(
     from the cache, each through :func:`flash_attn_with_lse` (cuDNN), merged by LSE with
     :func:`merge_attention_outputs`. Host lists mean no device sync on either path.
     CPU: the per-sequence path over torch's fused CPU attention (:func:`prefill_attention_ref`
-    is the plain-math reference).
+    is the plain-math reference). With a window: fp16/bf16 on CUDA one varlen FlashAttention-2
+    launch with its window over the packed chunks and the prefix tokens they see; otherwise per
+    sequence :func:`sliding_window_attention` (query tiles over the keys they see).
     """
     prefixes = prefixes or {}
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
+    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, sliding_window)
     args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes)
-    if _use_varlen(q, seqlens_q):
+    if _use_varlen(q, seqlens_q, sliding_window):
         try:
-            return _prefill_varlen(*args)
+            return _prefill_varlen(*args, sliding_window)
         except RuntimeError as err:
             _varlen_failed.add((q.dtype, q.shape[2]))
             logger.warning("varlen FlashAttention-2 unavailable for %s head_dim %d: %s", q.dtype, q.shape[2], err)
+    if sliding_window is not None:
+        return _prefill_window(*args, sliding_window)
     return _prefill_per_sequence(*args)

@@ -130,7 +130,7 @@ def _race_chunks_kernel(logits_ptr, temp_ptr, seed_ptr, u_ptr, val_ptr, idx_ptr,
                         BLOCK: tl.constexpr):
     """Program (row, chunk): the chunk's (max score, first argmax) into ``val`` / ``idx`` [rows, chunks].
     ``vocab`` and ``stride_row`` are fixed by the model and stay specialised: their alignment lets
-    Triton load 16 bytes per thread (measured in the PTX: scalar loads without it)."""
+    Triton load 16 bytes per thread (the PTX has scalar loads without it)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     base = chunk * 4 * BLOCK

@@ -182,7 +182,7 @@ def xattn_block_scores(
     128 strided rows x N strided keys (N = max(128, T), fewer rows when T > 128; 64 x max(64, T)
     where a head_dim row is over 256 bytes), the reshape done by the loads (no copy): TMA bulk
     copies through descriptors over q and k viewed as ``[rows / S, S * row stride]`` when Sq and
-    Sk are multiples of S (``_strided_descriptors``; 1.4x faster on the H200), else strided
+    Sk are multiples of S (``_strided_descriptors``; docs/benchmarks.md, 'XAttention kernels'), else strided
     pointer loads; causally hidden key tiles skipped; per tile it updates each row's
     online-softmax max and sum (FA-2) and writes the row's partial block sums
     ``exp2(A - m_tile)`` with ``m_tile``, the running max they were taken against. Pass B

@@ -4,11 +4,11 @@ pipeline count, the policy only chooses).
 - **compute density** (prefill): kept / causally visible sparse blocks (``sparse_block_size``
   tokens, 128 by default), counted over heads and query blocks. Policies whose prefill attends to
   every visible key (FULL, QUEST, STREAMING) report 1.0 without counting.
-- **density** (decode, a policy that chooses decode pages: QUEST, STREAMING): tokens read per KV
-  head / tokens of the sequences' contexts, both tiers, per layer and sequence: the share of the
-  KV that decode reads, the always-read sinks, recent pages and page being written included (a
-  sequence the policy does not select for reads all of its tokens). Policies that read every
-  token in decode report 1.0 without counting.
+- **density** (decode, a policy that chooses decode pages, QUEST or STREAMING, or a model with
+  sliding windows): tokens read per KV head / tokens of the sequences' contexts, both tiers, per
+  layer and sequence: the share of the KV that decode reads, the always-read sinks, recent pages and page being written included (a
+  sequence the policy does not select for reads all of its tokens; a layer with a sliding window
+  reads the window's). Otherwise every token is read: 1.0 without counting.
 - **communication density** (host tier, prefill and decode): bytes read from the host tier (keys
   and values) / bytes of the host-tier blocks the attention could have read, per layer. Prefill
   reads every host block of a sequence's context (1.0); a choosing policy's decode reads its

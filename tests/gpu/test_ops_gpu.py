@@ -311,6 +311,67 @@ def test_apply_rotary_kv_store_equals_rotary_then_store_kvcache(dtype):
     assert fused.isnan().sum() == (8 * 256 - (slots >= 0).sum()) * 2 * 8 * dim
 
 
+def _rope_case(shape: str, dtype, tokens: int):
+    """The RoPE table and q/k/v of a real model's heads, the table built by RotaryEmbedding:
+    GLM-4-9B-chat-1m (32 q / 4 kv heads x 128, the first 64 dims rotated in interleaved pairs,
+    theta 1e8) or Phi-3-mini-128k (32 / 32 heads x 96, LongRoPE: an 8K engine past the original
+    4K context takes the long factors and the attention factor sqrt(1 + ln 32 / ln 4096))."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    if shape == "glm":
+        heads_q, heads_kv, dim, interleaved = 32, 4, 128, True
+        params = {"rope_type": "default", "rope_theta": 1e8, "partial_rotary_factor": 0.5}
+    else:
+        heads_q, heads_kv, dim, interleaved = 32, 32, 96, False
+        params = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0,
+                  "short_factor": (1 + 2 * torch.rand(48, generator=gen)).sort().values.tolist(),
+                  "long_factor": (1 + 63 * torch.rand(48, generator=gen)).sort().values.tolist(),
+                  "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    rope = RotaryEmbedding(dim, 8192, params, interleaved).to(DEVICE)
+    qkv = torch.randn(tokens, (heads_q + 2 * heads_kv) * dim, device=DEVICE).mul_(4).to(dtype)
+    q, k, v = (qkv[:, a * dim:b * dim].view(tokens, -1, dim)
+               for a, b in ((0, heads_q), (heads_q, heads_q + heads_kv), (heads_q + heads_kv, heads_q + 2 * heads_kv)))
+    return rope.cos_sin_cache, interleaved, q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", ["glm", "phi3"])
+def test_apply_rotary_partial_interleaved_longrope_matches_reference(dtype, shape):
+    """GLM's partial interleaved RoPE and Phi-3's LongRoPE table against the reference, the
+    dims past the rotary ones passed through unchanged, and the fused store writing what
+    store_kvcache writes (256-token blocks, padding slots of -1 skipped)."""
+    tokens = 333
+    cache, interleaved, q, k, v = _rope_case(shape, dtype, tokens)
+    rot = 2 * cache.shape[2]
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    got = apply_rotary(positions, q, k, cache, interleaved=interleaved)
+    for x, a, b in zip((q, k), got, apply_rotary_ref(positions, q, k, cache, interleaved=interleaved)):
+        assert_close(a, b, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert torch.equal(a[..., rot:], x[..., rot:])
+    slots = torch.randperm(8 * 256, device=DEVICE)[:tokens].int()
+    slots[::7] = -1
+    fused, separate = (torch.full((2, 8, 256, k.shape[1], k.shape[2]), float("nan"), dtype=dtype, device=DEVICE)
+                       for _ in range(2))
+    stored = apply_rotary(positions, q, k, cache, None, KVStore(v, fused[0], fused[1], slots), interleaved)
+    assert all(torch.equal(a, b) for a, b in zip(stored, got))
+    store_kvcache(got[1], v, separate[0], separate[1], slots)
+    assert torch.equal(fused.nan_to_num(7.0), separate.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rotary_interleaved_with_qk_norm_matches_reference(dtype):
+    """The fused per-head norm with a partial interleaved rotation (GLM's heads): the norm covers
+    every dim of the head, the rotation only the first half."""
+    tokens = 333
+    cache, _, q, k, _ = _rope_case("glm", dtype, tokens)
+    qk_norm = ((torch.rand(128, device=DEVICE) + 0.5).to(dtype), (torch.rand(128, device=DEVICE) + 0.5).to(dtype), 1e-6)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    expected = apply_rotary_ref(positions, q, k, cache, qk_norm, interleaved=True)
+    for got, ref in zip(apply_rotary(positions, q, k, cache, qk_norm, interleaved=True), expected):
+        assert_close(got, ref, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def _silu_tolerance(dtype):
     """Relative bound of the kernel vs :func:`silu_and_mul_ref`: one unit in the last place (2u,
     u the unit roundoff) for bfloat16/float16; for float32 the GPU's approximate exp2 and division
@@ -380,3 +441,119 @@ def test_decode_attention_cuda_graph_replay(return_lse):
             out = result
         assert_close(out, ref)
         assert (out[::9] == 0).all()
+
+
+# ---------------------------------------------------------------- sliding windows
+def windowed_tables(contexts, tables, window):
+    """The decode rows of a sliding window (as ``kvcache/window.py`` builds them): each table from the
+    window's first block, its tokens from there and its start (tokens of that block before the window)."""
+    cut, lens, starts = torch.full_like(tables, -1), [], []
+    for b, n in enumerate(contexts):
+        first = max(0, n - window) if n else 0
+        fb = first // BLOCK_SIZE
+        cut[b, :tables.shape[1] - fb] = tables[b, fb:]
+        lens.append(n - fb * BLOCK_SIZE)
+        starts.append(first - fb * BLOCK_SIZE)
+    return (cut, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            torch.tensor(starts, dtype=torch.int32, device=DEVICE))
+
+
+def poison_before_windows(cache, contexts, tables, window):
+    """NaN in every slot before a row's window: a kernel that read one would show it."""
+    for b, n in enumerate(contexts):
+        pos = torch.arange(max(0, n - window), device=DEVICE)
+        cache[tables[b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("window,batch,max_context", [(4096, 1, 32768), (4096, 37, 20000), (300, 256, 4096),
+                                                      (1000, 64, 8192)])
+def test_decode_attention_in_a_window_matches_reference(dtype, num_splits, window, batch, max_context):
+    """Tables cut to each window's blocks, ``context_starts`` inside the first; every slot before a
+    window is NaN (never read), rows with no context give 0 and lse -inf."""
+    contexts = torch.randint(1, max_context + 1, (batch,)).tolist()
+    contexts[0] = max_context
+    if batch > 2:
+        contexts[1], contexts[2] = 0, window - 1
+    k_cache, v_cache, tables = paged_cache(contexts, 8, 128, dtype)
+    poison_before_windows(k_cache, contexts, tables, window)
+    cut, lens, starts = windowed_tables(contexts, tables, window)
+    q = torch.randn(batch, 32, 128, device=DEVICE).to(dtype)
+    out, lse = decode_attention(q, k_cache, v_cache, cut, lens, 128**-0.5, num_splits=num_splits, return_lse=True,
+                                context_starts=starts)
+    ref, ref_lse = decode_attention_ref(q, k_cache, v_cache, cut, lens, 128**-0.5, return_lse=True,
+                                        context_starts=starts)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    live = lens > 0
+    assert_close(lse[live], ref_lse[live], rel=1e-4, atol=1e-3)
+    if batch > 2:
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_decode_attention_in_a_window_cuda_graph_replay():
+    """Captured with window buffers (tables as wide as the window's span), replayed on new rows."""
+    batch, window = 64, 4096
+    width = (window + BLOCK_SIZE - 2) // BLOCK_SIZE + 1
+    k_cache, v_cache, _ = paged_cache([64 * BLOCK_SIZE] * 2, 8, 128, torch.bfloat16)
+    q = torch.randn(batch, 32, 128, device=DEVICE).bfloat16()
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    starts = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts)
+    for _ in range(2):
+        contexts = torch.randint(1, 40000, (batch,)).tolist()
+        full = torch.randint(0, k_cache.shape[0], (batch, 160), dtype=torch.int32, device=DEVICE)
+        cut, new_lens, new_starts = windowed_tables(contexts, full, window)
+        q.copy_(torch.randn_like(q))
+        tables.copy_(cut[:, :width])
+        lens.copy_(new_lens)
+        starts.copy_(new_starts)
+        graph.replay()
+        assert_close(out, decode_attention_ref(q, k_cache, v_cache, tables, lens, 128**-0.5, context_starts=starts))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [300, 4096])
+@pytest.mark.parametrize("seqlens_q,prefixes", [([1000, 37, 1024, 1, 2048, 0], [0, 700, 7000, 8190, 1500, 300]),
+                                                ([8192], [0]), ([2000], [6000])])
+def test_prefill_attention_in_a_window_matches_reference(dtype, window, seqlens_q, prefixes):
+    """bf16: one varlen FlashAttention-2 launch with its window (which must not fail); float32: query
+    tiles through SDPA; the cached slots before every chunk's window are NaN."""
+    seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
+    k_cache, v_cache, tables = paged_cache(seqlens_k, 8, 128, dtype)
+    for b, p in enumerate(prefixes):
+        pos = torch.arange(max(0, p - window + 1), device=DEVICE)
+        k_cache[tables[b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE] = float("nan")
+    q = torch.randn(sum(seqlens_q), 32, 128, device=DEVICE).to(dtype)
+    k = torch.randn(sum(seqlens_q), 8, 128, device=DEVICE).to(dtype)
+    v = torch.randn(sum(seqlens_q), 8, 128, device=DEVICE).to(dtype)
+    store_kvcache(k, v, k_cache, v_cache, new_token_slots(seqlens_q, prefixes, tables))
+    out = prefill_attention(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables, sliding_window=window)
+    ref = prefill_attention_ref(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables,
+                                sliding_window=window)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert not prefill_module._varlen_failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [1, 300, 4096])
+def test_block_sparse_attention_in_a_window_matches_reference(dtype, window):
+    """Blocks kept at random (each query block's diagonal kept): the window drops blocks before it
+    and masks the keys across its edge, in the kernel as in the reference."""
+    from nanovllm.ops import block_sparse_attention, block_sparse_attention_ref
+
+    seq_q, seq_k, block = 4096, 8192, 128
+    q = torch.randn(seq_q, 32, 128, device=DEVICE).to(dtype)
+    k, v = (torch.randn(seq_k, 8, 128, device=DEVICE).to(dtype) for _ in range(2))
+    mask = torch.rand(32, seq_q // block, seq_k // block, device=DEVICE) < 0.5
+    diagonal = torch.arange(seq_q // block, device=DEVICE)
+    mask[:, diagonal, diagonal + (seq_k - seq_q) // block] = True
+    out, lse = block_sparse_attention(q, k, v, mask, block, 128**-0.5, window=window)
+    ref, ref_lse = block_sparse_attention_ref(q, k, v, mask, block, 128**-0.5, window=window)
+    assert_close(out, ref, rel=1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert_close(lse, ref_lse, rel=1e-4, atol=1e-3)
