@@ -79,7 +79,7 @@ def roofline(args, prompts, params, result: dict) -> dict:
 def bench_nanovllm(args, prompts, params) -> dict:
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              device=args.device, async_scheduling=args.async_scheduling)
+              device=args.device, async_scheduling=args.async_scheduling, enable_cpu_offload=args.enable_cpu_offload)
     llm.generate(["Benchmark: "] * args.data_parallel_size, SamplingParams(), use_tqdm=False)  # every replica
     sync(llm.config.device)
     t = time.perf_counter()
@@ -139,6 +139,8 @@ def main():
                         help="force async scheduling on or off (default: the engine's choice, on where "
                              "supported: CUDA, TP=1)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--enable-cpu-offload", action="store_true",
+                        help="turn on the host tier of the KV cache (nothing spills at these sizes: its cost when unused)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="SamplingParams(logprobs=K) for every request (default: none)")
     parser.add_argument("--compare-hf", action="store_true", help="also time HF transformers' generate")

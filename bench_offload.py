@@ -5,6 +5,8 @@ r"""Long sequences with the host tier of the KV cache and without (GPU-only); pr
     python bench_offload.py --shape llama-3-8b-1m --input-len 1000000 --decode-tokens 4 --modes gpu,tiered
     python bench_offload.py --shape glm-4-9b-1m --input-len 131072 --modes gpu,tiered   # GLM-4-9B-chat-1m
     python bench_offload.py --shape phi-3-mini-128k --input-len 120000 --modes gpu,tiered  # Phi-3-mini-128k
+    python bench_offload.py --shape qwen2.5-0.5b --input-len 8192 --num-seqs 32 --block-size 256 \
+        --num-kvcache-blocks 264 --modes gpu,tiered          # a small model, GPU tier at 1/4 of the KV
     python bench_offload.py --input-len 130000 --decode-tokens 16 --num-kvcache-blocks 2 \
         --modes tiered-full,tiered-noreuse,tiered --sparse-policy QUEST --sparse-page-size 16 \
         --sparse-token-budget 2048                         # QUEST with and without reuse vs FULL
@@ -13,7 +15,8 @@ r"""Long sequences with the host tier of the KV cache and without (GPU-only); pr
 
 Default model: a random-weight checkpoint of ``--shape`` (a key of ``tools.random_checkpoint.SHAPES``:
 Llama-3.1-8B by default; Llama-3-8B with a 1,048,576-token context and Gradient AI's rope_theta;
-GLM-4-9B-chat-1m; Phi-3-mini-128k; Qwen3-0.6B), created once under $NANOVLLM_CACHE.
+GLM-4-9B-chat-1m; Phi-3-mini-128k; Qwen2.5-0.5B, 12 KiB of KV per token in bf16; Qwen3-0.6B),
+created once under $NANOVLLM_CACHE.
 Decode is timed from the second decode step on (the first places every sequence's next block and
 compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered``
 (``enable_cpu_offload=True``, ``--sparse-policy`` with its ``--sparse-*`` options,
@@ -27,8 +30,9 @@ unset takes the engine's default. ``--sparse-topk-blocks`` is the engine's depre
 (budget = it x ``--block-size``). Reported per mode: TTFT of the batch (every sequence has its first token),
 prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
 decode step, which places every sequence's next block), bytes moved each way, the host bytes read
-per decode step, the sparse statistics (with QUEST's reuse rate per layer), and on CUDA decode as
-a fraction of its bound:
+per decode step, the longest decode step (the host's step call), the host memory pinned and the
+steps that waited for pinning, the sparse statistics (with QUEST's reuse rate per layer), and on
+CUDA decode as a fraction of its bound:
 
     time per step >= max((GPU-resident KV + weights) / HBM bandwidth,
                          host bytes read per decode step / pinned bandwidth)
@@ -89,10 +93,15 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
     return [torch.randint(1, high, (args.input_len,), generator=g).tolist() for _ in range(args.num_seqs)]
 
 
-def _step_until(llm, done) -> list:
+def _step_until(llm, done, step_times: list | None = None) -> list:
+    """Step until ``done()``; the sequences finished. ``step_times``: each step's wall time (s) is
+    appended (the host's view: with async scheduling a step's call returns once the next is launched)."""
     finished = []
     while not done():
+        t = time.perf_counter()
         finished += llm.step()[0]
+        if step_times is not None:
+            step_times.append(time.perf_counter() - t)
     sync()
     return finished
 
@@ -111,6 +120,14 @@ def _host_bytes_read(llm) -> int:
     host tier; syncs with the device)."""
     host = llm.model_runner.cache.host
     return host.loaded_bytes() if host is not None else 0
+
+
+def _pin_waits(llm) -> dict:
+    """The steps that waited for host memory to be pinned, and how long in all (host tier only)."""
+    host = llm.model_runner.cache.host
+    if host is None:
+        return {}
+    return {"pin_waits": host.memory.num_waits, "pin_wait_s": round(host.memory.wait_s, 3)}
 
 
 def _sparse_stats(llm) -> dict:
@@ -164,7 +181,8 @@ def _measure(llm, args, bw: dict) -> dict:
     at_decode = llm.get_kv_cache_stats()
     host_bytes_at_decode = _host_bytes_read(llm)
     t1 = time.perf_counter()
-    finished += _step_until(llm, llm.is_finished)
+    step_times = []
+    finished += _step_until(llm, llm.is_finished, step_times)
     decode_s = time.perf_counter() - t1
     after = llm.get_kv_cache_stats()
     block_bytes = llm.model_runner.cache.geometry.block_bytes
@@ -178,6 +196,8 @@ def _measure(llm, args, bw: dict) -> dict:
               "host_bytes_per_decode_step": round(host_bytes_per_step),
               "host_resident_bytes_at_decode": at_decode["host_blocks_used"] * block_bytes,
               "preemptions": after["preemptions"] - before["preemptions"],
+              "max_decode_step_ms": round(max(step_times) * 1e3, 3) if step_times else None,
+              "host_bytes_pinned": after["host_bytes_pinned"], **_pin_waits(llm),
               "tokens": [s.completion_token_ids for s in sorted(finished, key=lambda s: s.seq_id)]}
     if torch.cuda.is_available():
         bound = _decode_bound(llm, at_decode, host_bytes_per_step, bw, args.num_seqs)

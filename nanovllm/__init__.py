@@ -1,6 +1,6 @@
 """nanovllm: a compact offline LLM inference engine with CPU-offloaded KV and sparse attention."""
 from nanovllm.llm import LLM
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

@@ -1,8 +1,9 @@
 """Engine configuration, validated at construction."""
+import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -11,6 +12,7 @@ from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 from nanovllm.sparse import choosing_policy_names, policy_class, registered_policies
 from nanovllm.utils.checks import check_bool, check_range, is_integer
+from nanovllm.vllm_compat import check_vllm_args
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +52,70 @@ _DEFAULT_TOKEN_BUDGET = 2048
 """Config fields kept for old callers (each warns and says its new name); not listed in errors."""
 
 _VLLM_HINTS = {
-    "swap_space": "the host tier of the KV cache is enable_cpu_offload=True with num_cpu_kvcache_blocks or "
-                  "cpu_memory_utilization",
-    "cpu_offload_gb": "weights stay on the GPU; the KV cache's host tier is enable_cpu_offload=True",
-    "quantization": "quantized weights are not supported",
-    "block_size": "the KV block is kvcache_block_size (tokens, a multiple of 256)",
-    "num_gpu_blocks_override": "the GPU tier's size is num_kvcache_blocks",
-    "enable_chunked_prefill": "chunked prefill is always on; max_num_batched_tokens sets the chunk",
-    "kv_cache_dtype": "the KV cache has the model's dtype",
+    "num_scheduler_steps": "multi-step scheduling is gone from vLLM too; async_scheduling overlaps steps",
+    "use_v2_block_manager": "the KV cache is nanovllm's own two-tier block manager",
+    "preemption_mode": "a preempted sequence is recomputed (and the host tier spills before anyone is preempted)",
+    "max_context_len_to_capture": "decode graphs cover every context length",
 }
+"""Hints for arguments of older vLLM releases that neither vLLM nor nanovllm takes now."""
+
+_NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "seed")
+"""Config fields for which None (vLLM's default) means nanovllm's default; ``max_model_len`` None is
+the model's ``max_position_embeddings``, as in vLLM."""
+
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def check_engine_args(kwargs: dict) -> None:
-    """ValueError naming every keyword of ``LLM(...)`` that is not a :class:`Config` field (with a
-    hint for vLLM arguments that have another form here), instead of a TypeError from deep inside;
-    ``eos_token_ids`` too, which the engine takes from the model's generation config."""
+def check_engine_args(kwargs: dict) -> dict:
+    """The keywords of ``LLM(...)`` that are :class:`Config` fields: vLLM's arguments at values
+    that are a no-op here are dropped (``nanovllm.vllm_compat``).
+
+    Raises:
+        ValueError: a vLLM argument asking for behaviour this engine lacks (naming it and what is
+            supported); a keyword that is neither a vLLM argument nor a Config field (naming every
+            such keyword, with a hint for those of older vLLM releases), ``eos_token_ids`` too,
+            which the engine takes from the model's generation config.
+    """
     known = {f.name for f in fields(Config) if f.init and f.name not in ("model", "eos_token_ids")}
+    kwargs = check_vllm_args(kwargs, known)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         hints = "".join(f"; {name}: {_VLLM_HINTS[name]}" for name in unknown if name in _VLLM_HINTS)
-        listed = sorted((known - set(_DEPRECATED_NAMES)) | {"revision", "download_dir"})
+        listed = sorted(known - set(_DEPRECATED_NAMES))
         raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}{hints} (nanovllm's arguments are "
-                         f"revision, download_dir and the fields of nanovllm.config.Config: {', '.join(listed)})")
+                         f"revision, download_dir, tokenizer_revision, vLLM's arguments in "
+                         f"nanovllm.vllm_compat.VLLM_ARGS and the fields of nanovllm.config.Config: {', '.join(listed)})")
+    return kwargs
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The transformers config of the model directory ``model``, its ``config.json`` checked
+    first so that a broken file is named with what is wrong in it.
+
+    Raises:
+        ValueError: no config.json; not valid JSON (with the line and column); not a JSON object;
+            missing one of the keys every supported decoder needs; transformers refuses it.
+    """
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model directory {model!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    missing = [key for key in _REQUIRED_CONFIG_KEYS if key not in raw and key not in raw.get("text_config", {})]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(repr(k) for k in missing)}: a decoder's config.json needs "
+                         f"{', '.join(_REQUIRED_CONFIG_KEYS)}")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except Exception as err:  # transformers' own validation (ValueError, OSError, strict-dataclass errors)
+        raise ValueError(f"{path}: transformers cannot load this config: {type(err).__name__}: {err}") from err
 
 
 @dataclass
@@ -86,11 +130,13 @@ class Config:
             model itself always runs nanovllm's own code (Llama, Mistral with its sliding window,
             Qwen2, Qwen3).
         enable_prefix_caching: vLLM's switch; prefix caching is part of nanovllm's KV cache and
-            always on, so only True (the default) is accepted.
+            always on, so only True (the default) and None (vLLM's default) are accepted.
         max_num_batched_tokens: token budget of one prefill step (>= 1); longer prompts are
-            prefilled in chunks of at most this many tokens.
-        max_num_seqs: most sequences in one step (>= 1); also the largest CUDA-graph batch.
+            prefilled in chunks of at most this many tokens. None (vLLM's default): 16384.
+        max_num_seqs: most sequences in one step (>= 1); also the largest CUDA-graph batch. None:
+            512.
         max_model_len: longest prompt + output in tokens; clamped to the model's
+            ``max_position_embeddings``. None (vLLM's default): the model's
             ``max_position_embeddings``.
         gpu_memory_utilization: fraction of GPU memory this process may use, in (0, 1].
         tensor_parallel_size: ranks of one replica (>= 1); must divide the head counts.
@@ -102,8 +148,8 @@ class Config:
         async_scheduling: overlap the host's scheduling and input preparation of a step (decode,
             or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.step_loop`` says
             when it overlaps). None (default): on where it can be, i.e. on CUDA with
-            ``tensor_parallel_size`` 1, no ``enable_cpu_offload`` and a sparse policy other than
-            QUEST, else off; the resolved bool is stored here. True forces it (ValueError where
+            ``tensor_parallel_size`` 1 and a sparse policy that does not choose decode blocks
+            (QUEST does), with or without the host tier, else off; the resolved bool is stored here. True forces it (ValueError where
             unsupported; on CPU nothing overlaps, but the same code path runs, which is what its
             CPU tests use); False is the synchronous loop, for debugging. Outputs are identical
             either way (``tests/gpu/test_async_scheduling_gpu.py``); its gain on ``bench.py``:
@@ -114,16 +160,19 @@ class Config:
         dtype: "float32" | "float16" | "bfloat16" | torch dtype | None or "auto" (the model's on
             GPU, float32 on CPU).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
-        seed: seed of the engine's sampling generator.
+        seed: seed of the engine's sampling generator; None (vLLM's default): 0.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
             are spilled to pinned host memory and read back through a GPU ring buffer of
-            ``num_ring_slots`` slots (``docs/kvcache.md``).
+            ``num_ring_slots`` slots; freed prefix-cache blocks the GPU tier reuses are written
+            back there (a second-level prefix cache). Host memory is pinned on demand, in chunks
+            (``docs/kvcache.md``).
         num_ring_slots: ring-buffer slots of the host tier, >= 2 (``num_gpu_blocks`` is its
             deprecated name).
         num_cpu_kvcache_blocks: host-tier blocks; -1 sizes them from ``cpu_memory_utilization`` of
             the available host memory (at most what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens use).
-        cpu_memory_utilization: share of available host memory the host tier may pin, in (0, 1].
+        cpu_memory_utilization: share of available host memory the host tier may use (and pin as
+            it fills), in (0, 1].
         sparse_policy: "FULL" (every block), "QUEST" (decode: pages chosen per KV head by key
             min/max bounds, in both tiers), "STREAMING" (decode: attention sinks and a recent
             window) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al. 2025;
@@ -157,17 +206,21 @@ class Config:
         sparse_chunk_size: XATTN_BSA: query rows estimated per call, a multiple of
             sparse_block_size (default 16384); bounds the estimation's memory.
 
+    A sparse option (a field some registered policy lists in its ``options``) set to another value
+    than its default while ``sparse_policy`` names a policy that does not read it is refused.
+
     Raises:
-        ValueError: a bad field, naming the field, the value and the limit.
+        ValueError: a bad field, naming the field, the value and the limit; the model directory
+            missing, a file, or its config.json unreadable (see :func:`load_hf_config`).
     """
 
     model: str
     tokenizer: str | None = None
     trust_remote_code: bool = False
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
-    max_model_len: int = 4096
+    enable_prefix_caching: bool | None = True
+    max_num_batched_tokens: int | None = 16384
+    max_num_seqs: int | None = 512
+    max_model_len: int | None = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -177,7 +230,7 @@ class Config:
     num_kvcache_blocks: int = -1
     dtype: object = None
     device: str = "auto"
-    seed: int = 0
+    seed: int | None = 0
     enable_cpu_offload: bool = False
     num_ring_slots: int = 4
     num_gpu_blocks: int | None = None  # deprecated name of num_ring_slots
@@ -201,11 +254,14 @@ class Config:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        config_path = os.path.join(str(self.model), "config.json")
+        if os.path.isfile(self.model):
+            raise ValueError(f"model {self.model!r} is a file; the model is a directory with config.json and "
+                             f"safetensors weights")
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory {self.model!r} does not exist")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model directory {self.model!r} has no config.json")
+        for name in _NONE_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, _FIELD_DEFAULTS[name])
         for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "enable_cpu_offload"):
             check_bool(name, getattr(self, name))
         if not self.enable_prefix_caching:
@@ -213,7 +269,8 @@ class Config:
                              "KV cache (a block is reused only when its tokens and all before them match)")
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_range("max_num_seqs", self.max_num_seqs, 1)
-        check_range("max_model_len", self.max_model_len, 1)
+        if self.max_model_len is not None:
+            check_range("max_model_len", self.max_model_len, 1)
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1)
@@ -227,8 +284,10 @@ class Config:
         check_range("seed", self.seed, SEED_MIN, SEED_MAX)
         self._check_offload()
         self.device = _resolve_device(self.device)
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_config = load_hf_config(self.model)
         self.dtype = _resolve_dtype(self.dtype, self.hf_config, self.device)
+        if self.max_model_len is None:
+            self.max_model_len = self.hf_config.max_position_embeddings
         if self.max_model_len > self.hf_config.max_position_embeddings:
             logger.warning("max_model_len=%d is above the model's max_position_embeddings=%d; using %d",
                            self.max_model_len, self.hf_config.max_position_embeddings,
@@ -277,6 +336,7 @@ class Config:
             self.sparse_topk_blocks = None
         for policy in registered_policies():  # every policy checks its own options
             policy.check_options(self)
+        self._check_unused_sparse_options()
         if self.num_reuse_cache_blocks != -1:
             check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
         if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
@@ -285,6 +345,22 @@ class Config:
             raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
                              f"and sparse_policy={choosers} (got {self.enable_cpu_offload}, "
                              f"{self.sparse_policy!r}); use -1 or 0")
+
+    def _check_unused_sparse_options(self):
+        """An option that some registered policy declares (:attr:`SparsePolicy.options`) but the
+        chosen one does not, set to another value than its default, would be ignored: refused."""
+        chosen = policy_class(self.sparse_policy)
+        readers: dict[str, list[str]] = {}
+        for policy in registered_policies():
+            for option in policy.options:
+                readers.setdefault(option, []).append(policy.name)
+        for option, names in readers.items():
+            value, default = getattr(self, option), _FIELD_DEFAULTS[option]
+            if option not in chosen.options and value != default:
+                users = " or ".join(repr(n) for n in names)
+                raise ValueError(f"{option}={value!r} is read by sparse_policy={users} only, but "
+                                 f"sparse_policy={self.sparse_policy!r} does not use it: choose {users} or leave "
+                                 f"{option} at its default {default!r}")
 
     def _check_parallel(self):
         """Resolve the launch (``self.launch``, read once here) and check the parallel sizes."""
@@ -305,12 +381,15 @@ class Config:
                                  f"{name}={value}")
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+
+
 def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
-    as in the ValueError: tensor parallelism, the host KV tier, a policy that chooses decode blocks
-    (its decode steps run eagerly and each step's start records the previous step's picks on the
-    host, which the one-step-ahead loop was not built around)."""
+    as in the ValueError: tensor parallelism, a policy that chooses decode blocks (its decode steps
+    run eagerly and each step's start records the previous step's picks on the host, which the
+    one-step-ahead loop was not built around). The host KV tier runs with it (its moves between the
+    tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``)."""
     return [name for name, on in (
         (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        ("enable_cpu_offload=True", config.enable_cpu_offload),
         (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_pages)) if on]

@@ -1,6 +1,6 @@
 """What ``LLM.generate`` and ``LLM.chat`` return: vLLM's ``RequestOutput`` / ``CompletionOutput`` /
 ``Logprob``, readable nano-vLLM style as well (``out["text"]``, ``out["token_ids"]``)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -46,6 +46,29 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass
+class RequestMetrics:
+    """A request's timings (vLLM's ``RequestMetrics``), in seconds of ``time.time()`` as the
+    engine saw them on the host; with ``n`` > 1 the earliest (arrival, first scheduled, first
+    token) or latest (last token, finished) over the completions.
+
+    Attributes:
+        arrival_time: the request was queued.
+        first_scheduled_time: its first prefill step was scheduled.
+        first_token_time: its first generated token reached the host.
+        last_token_time: its last generated token reached the host.
+        finished_time: it finished (None for a completion aborted before).
+        time_in_queue: ``first_scheduled_time - arrival_time``.
+    """
+
+    arrival_time: float
+    last_token_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    time_in_queue: float | None
+    finished_time: float | None = None
+
+
 # Keys readable nano-vLLM style: out[key] reads outputs[0].key, or the request's own field.
 _COMPLETION_KEYS = ("text", "token_ids", "finish_reason")
 _REQUEST_KEYS = ("num_cached_tokens",)
@@ -64,6 +87,8 @@ class RequestOutput:
         outputs: the ``n`` completions, in index order.
         finished: every completion has finished.
         num_cached_tokens: prompt tokens found in the prefix cache (of the first completion).
+        metrics: the request's :class:`RequestMetrics` (left out of ``==``: two runs of a
+            request are equal when their results are).
 
     ``out["text"]``, ``out["token_ids"]`` and ``out["finish_reason"]`` read ``outputs[0]``, and
     ``out["num_cached_tokens"]`` this request's field, so nano-vLLM's dict-style code keeps working.
@@ -76,6 +101,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None
+    metrics: RequestMetrics | None = field(default=None, compare=False)  # timings: not part of equality
 
     def __getitem__(self, key: str):
         if key in _COMPLETION_KEYS:

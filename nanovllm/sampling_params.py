@@ -76,6 +76,27 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token after the first (the first is None).
             Such a request takes no prefix-cache hits: a cached position has no logits.
         skip_special_tokens: leave special tokens out of ``text`` (``token_ids`` keeps them).
+        detokenize: False leaves ``text`` empty (and logprobs' ``decoded_token`` None); token ids
+            and logprobs are returned as usual. Stop strings need it True.
+        spaces_between_special_tokens: passed to the tokenizer's ``decode`` (slow tokenizers put
+            spaces between special tokens; fast ones ignore it).
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1: the last
+            ``max_model_len``), applied before the prompt is checked; ``prompt_token_ids`` of the
+            output are the kept ones.
+        allowed_token_ids: non-empty list of the only token ids that may be sampled (every other
+            logit is -inf); ids are checked against the vocabulary when the request is queued.
+        bad_words: strings never generated: each is tokenized with and without a leading space
+            (vLLM's rule); a word of one token is masked at every step, a longer one's last token
+            is masked when the output ends with its other tokens.
+        logit_bias: ``{token id: bias}`` added to the logits (after penalties, before sampling;
+            string keys are read as ints, as vLLM's ``from_optional``); finite biases.
+        best_of: None or ``n`` (beam search and best-of-n are not supported).
+        logits_processors, structured_outputs, guided_decoding: None (not supported).
+        flat_logprobs: False (logprobs are vLLM's dicts). output_kind, extra_args, skip_clone:
+            accepted and not used (offline generation returns final outputs only).
+
+    Masks and bias run on the device for the whole batch, like the penalties; a batch whose
+    requests use none of them skips them.
 
     Raises:
         ValueError: a field of the wrong type or outside its range, naming the field, the value
@@ -100,6 +121,22 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    best_of: int | None = field(default=None, repr=False)
+    logits_processors: object = field(default=None, repr=False)
+    structured_outputs: object = field(default=None, repr=False)
+    guided_decoding: object = field(default=None, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    output_kind: object = field(default=None, repr=False)
+    extra_args: dict | None = field(default=None, repr=False)
+    skip_clone: bool = field(default=False, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    """The token sequences of ``bad_words``, set by the engine when the request is queued."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -112,6 +149,8 @@ class SamplingParams:
         self._check_lengths()
         self._check_penalties()
         self._check_outputs()
+        self._check_logit_processors()
+        self._check_unsupported()
         if self.top_k == 0:
             self.top_k = -1
 
@@ -163,7 +202,48 @@ class SamplingParams:
     def _check_outputs(self):
         _check_logprobs("logprobs", self.logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
+        for name in ("skip_special_tokens", "detokenize", "spaces_between_special_tokens", "flat_logprobs",
+                     "skip_clone"):
+            check_bool(name, getattr(self, name))
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True (they are matched in the text)")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (is_integer(k) and (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, an integer >= 1 or -1 (max_model_len), got {k!r}")
+
+    def _check_logit_processors(self):
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _checked_list("allowed_token_ids", self.allowed_token_ids,
+                                                   lambda t: is_integer(t) and t >= 0, "integer token ids >= 0")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.bad_words is not None:
+            self.bad_words = _checked_list("bad_words", self.bad_words, lambda w: isinstance(w, str) and w.strip(),
+                                           "non-blank strings")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                key = int(token) if isinstance(token, str) and token.strip().lstrip("-").isdigit() else token
+                if not is_integer(key) or key < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                _check_number(f"logit_bias[{key}]", value, "(a logit bias)")
+                bias[int(key)] = float(value)
+            self.logit_bias = bias
+
+    def _check_unsupported(self):
+        """vLLM's fields for what nanovllm does not do: only their "off" values."""
+        if self.best_of is not None and not (is_integer(self.best_of) and self.best_of == self.n):
+            raise ValueError(f"best_of={self.best_of!r} is not supported (best-of-n and beam search); use None or n")
+        for name, kind in (("logits_processors", "custom logits processors"),
+                           ("structured_outputs", "structured outputs"), ("guided_decoding", "guided decoding")):
+            if getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)!r:.80} is not supported ({kind}); use None")
+        if self.flat_logprobs:
+            raise ValueError("flat_logprobs=True is not supported: logprobs are lists of {token_id: Logprob}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be None or a dict, got {self.extra_args!r:.80}")
 
     def clone(self) -> "SamplingParams":
         """A validated copy made from the current field values (the engine queues this copy, so
@@ -178,6 +258,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature below vLLM's epsilon 1e-5: the exact argmax is taken."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some of ``allowed_token_ids``, ``logit_bias`` or bad words is set."""
+        return self.allowed_token_ids is not None or bool(self.logit_bias) or bool(self._bad_words_token_ids)
+
+    @property
+    def has_multi_token_bad_words(self) -> bool:
+        """A bad word of several tokens: its mask depends on the last generated tokens."""
+        return any(len(ids) > 1 for ids in self._bad_words_token_ids or ())
 
     @property
     def has_penalties(self) -> bool:

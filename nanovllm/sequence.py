@@ -1,4 +1,5 @@
 """A request's token ids and its progress through prefill and decode."""
+import time
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -75,7 +76,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.samples_token = False
-        self.samples_token = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.detokenizer = None  # an IncrementalDetokenizer when the request has stop strings
@@ -83,6 +83,13 @@ class Sequence:
         self.logprobs: list[LogprobEntry] = []  # per generated token, when asked for
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[LogprobEntry] = []  # per prompt token after the first
+        # time.time() seconds (vLLM's RequestMetrics): queued, first scheduled, first and last token
+        # known on the host, finished; None until it happens
+        self.arrival_time = time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     def __len__(self):
         return len(self.token_ids)

@@ -22,7 +22,7 @@ LAYERS = [  # top to bottom: a module may import its own layer's modules and the
     ["nanovllm.ops"],
     ["nanovllm.parallel"],
     ["nanovllm.sequence", "nanovllm.sampling_params", "nanovllm.outputs", "nanovllm.inputs", "nanovllm.hub",
-     "nanovllm.fetch", "nanovllm.gguf_convert", "nanovllm.utils"],
+     "nanovllm.vllm_compat", "nanovllm.fetch", "nanovllm.gguf_convert", "nanovllm.utils"],
 ]
 MAX_LINES = 400
 

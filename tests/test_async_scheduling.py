@@ -56,7 +56,7 @@ def engines(qwen3_dir):
 
 
 def comparable(outputs) -> list[dict]:
-    return [{k: v for k, v in dataclasses.asdict(o).items() if k != "request_id"} for o in outputs]
+    return [{k: v for k, v in dataclasses.asdict(o).items() if k not in ("request_id", "metrics")} for o in outputs]
 
 
 def assert_same_generate(engines, prompts, params, stops_on_tokens: bool = False) -> list:
@@ -87,12 +87,12 @@ def stops_from(ref_tokens: list[int], text: str):
 
 def test_default_is_on_where_supported_and_true_is_checked(qwen3_dir):
     """None (the default) resolves to off on CPU, and on CUDA to on unless a setting blocks it
-    (that branch: tests/gpu/test_async_scheduling_gpu.py)."""
+    (that branch: tests/gpu/test_async_scheduling_gpu.py); the host tier does not block it."""
     llm = build_llm(qwen3_dir)
     assert llm.config.async_scheduling is False
     llm.shutdown()
     for kwargs, blockers in (({}, []), ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
-                             ({"enable_cpu_offload": True}, ["enable_cpu_offload=True"]),
+                             ({"enable_cpu_offload": True}, []),
                              ({"sparse_policy": "QUEST"}, ["sparse_policy='QUEST'"])):
         assert async_scheduling_blockers(Config(qwen3_dir, device="cpu", **kwargs)) == blockers
     llm = build_llm(qwen3_dir, async_scheduling=True)
@@ -103,8 +103,6 @@ def test_default_is_on_where_supported_and_true_is_checked(qwen3_dir):
     assert runner() is None
     with pytest.raises(ValueError, match="async_scheduling=True does not support tensor_parallel_size=2"):
         build_llm(qwen3_dir, async_scheduling=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="enable_cpu_offload=True"):
-        build_llm(qwen3_dir, async_scheduling=True, enable_cpu_offload=True)
     for bad in ("yes", 1):
         with pytest.raises(ValueError, match=r"async_scheduling must be None \(on where supported\), True or False"):
             build_llm(qwen3_dir, async_scheduling=bad)
@@ -315,3 +313,46 @@ def test_prefill_not_ahead_where_a_first_token_may_stop(chunked_engines):
         assert comparable(on.generate(prompts, params, use_tqdm=False)) == comparable(ref)
         assert counter.prefill_ahead == before
         assert_no_blocks_held(on, off)
+
+
+def test_host_tier_moves_are_scheduled_ahead(qwen3_dir):
+    """With the host tier (async scheduling's default on CUDA now): a GPU tier of 6 blocks for
+    three sequences of 1, 2 and 5 blocks that cross block boundaries while decoding, so prefill
+    and decode steps spill (decode: the blocks the step in flight fills); a second round of the same prompts hits the prefix cache in both tiers (blocks
+    written back, then loaded back). Steps that move blocks are scheduled ahead when no sequence
+    can finish with its token (here: ignore_eos, one max_tokens), and read first otherwise (stop
+    token ids); outputs, block counts, spills, write-backs and loads are the synchronous loop's."""
+    kwargs = dict(ENGINE, max_model_len=2048, num_kvcache_blocks=6, enable_cpu_offload=True,
+                  num_cpu_kvcache_blocks=32, num_ring_slots=2)
+    on, off = (build_llm(qwen3_dir, async_scheduling=flag, **kwargs) for flag in (True, False))
+    moved_ahead = []
+    run = on.model_runner.run
+
+    def counting_run(seqs, is_prefill, generators=None, moves=(), input_ids=None):
+        moved_ahead.append(input_ids is not None and bool(moves))
+        return run(seqs, is_prefill, generators, moves, input_ids)
+
+    on.model_runner.run = counting_run
+    try:
+        prompts = [random_prompt(n, seed=990 + n) for n in (230, 480, 1200)]
+        for params, exact in ((SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), True),
+                              (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), True),
+                              (SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[7, 11, 13]), False)):
+            moved_ahead.clear()
+            ref = off.generate(prompts, params, use_tqdm=False)
+            out = on.generate(prompts, params, use_tqdm=False)
+            if exact:
+                assert comparable(out) == comparable(ref)
+                assert any(moved_ahead), "no step with moves was scheduled ahead"
+            else:
+                assert_same(comparable(out), comparable(ref), LOGPROB_TOL)
+            stats = [{k: v for k, v in llm.get_kv_cache_stats().items() if k != "host_bytes_pinned"} for llm in (on, off)]
+            assert stats[0] == stats[1]
+            for llm in (on, off):
+                bm = llm.scheduler.block_manager
+                assert llm.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks + bm.host.num_blocks
+        assert stats[1]["spilled_blocks"] > 0 and stats[1]["evicted_blocks"] > 0 and stats[1]["loaded_blocks"] > 0
+        assert stats[1]["prefix_cache_hit_tokens"] > 0
+    finally:
+        on.shutdown()
+        off.shutdown()

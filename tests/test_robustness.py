@@ -148,7 +148,7 @@ def test_pin_two_engines_at_once(qwen3_dir, prompts):
     ("max_model_len", "512"),            # bare TypeError from '>='
     ("max_model_len", float("inf")),     # logging OverflowError, then a KV-cache RuntimeError
     ("seed", 2 ** 70),                   # "Overflow when unpacking long long"
-    ("seed", None),                      # "manual_seed expected a long, but got NoneType"
+    # seed=None is vLLM's default and means 0 (tests/test_vllm_compat.py)
 ])
 def test_engine_option_bad_type(qwen3_dir, field, value):
     with pytest.raises(ValueError, match=rf"{field}"):
@@ -158,17 +158,21 @@ def test_engine_option_bad_type(qwen3_dir, field, value):
 @pytest.mark.parametrize("field", ["enforce_eager", "enable_cpu_offload", "trust_remote_code", "enable_prefix_caching"])
 @pytest.mark.parametrize("value", ["no", 2, None])
 def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
-    """enable_cpu_offload="no" turned the host tier on; enforce_eager="no" was taken as True."""
+    """enable_cpu_offload="no" turned the host tier on; enforce_eager="no" was taken as True.
+    (enable_prefix_caching=None is vLLM's default, accepted: tests/test_vllm_compat.py.)"""
+    if field == "enable_prefix_caching" and value is None:
+        pytest.skip("None is vLLM's default for enable_prefix_caching")
     with pytest.raises(ValueError, match=rf"{field} must be True or False, got {value!r}"):
         build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
 
 
 @pytest.mark.parametrize("kwargs,shown", [
-    (dict(swap_space=4), r"unknown engine argument\(s\) swap_space; swap_space: the host tier .*enable_cpu_offload"),
-    (dict(max_seq_len=9, block_size=16),
-     r"unknown engine argument\(s\) block_size, max_seq_len; block_size: the KV block is kvcache_block_size .* "
-     r"\(nanovllm's arguments are revision, download_dir and the fields of nanovllm.config.Config: "
-     r".*kvcache_block_size"),
+    (dict(swap_space=-1), r"swap_space=-1 asks for what nanovllm does not do: the host tier .*enable_cpu_offload"),
+    (dict(block_size=16), r"block_size=16 asks for what nanovllm does not do: the KV block is kvcache_block_size"),
+    (dict(max_seq_len=9),
+     r"unknown engine argument\(s\) max_seq_len \(nanovllm's arguments are revision, download_dir, "
+     r"tokenizer_revision, vLLM's arguments in nanovllm.vllm_compat.VLLM_ARGS and the fields of "
+     r"nanovllm.config.Config: .*kvcache_block_size"),
     (dict(enable_prefix_caching=False), r"enable_prefix_caching=False is not supported"),
     (dict(num_cpu_kvcache_blocks=8), r"num_cpu_kvcache_blocks=8 sizes the host tier, which needs enable_cpu_offload"),
     (dict(eos_token_ids=[5]), r"unknown engine argument\(s\) eos_token_ids \(nanovllm's arguments are revision"),

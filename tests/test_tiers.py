@@ -217,11 +217,13 @@ def test_spills_coldest_full_blocks_never_the_first_or_the_written_one():
     bm = BlockManager(4, BLOCK, num_host_blocks=8)
     a = _seq(3 * BLOCK + 10, 1)  # 4 blocks: 3 full + 1 partial (the one a writes next)
     _prefill(bm, a)
-    assert bm.take_spills() == [] and all(g >= 0 for g in a.block_table), "4 free GPU blocks: no spill"
+    assert bm.take_moves() == [] and all(g >= 0 for g in a.block_table), "4 free GPU blocks: no spill"
     b = _seq(2 * BLOCK, 2)
     bm.allocate(b)
     assert bm.ensure_writable(b, 2 * BLOCK) == 2 * BLOCK
-    spills = bm.take_spills()
+    spills = bm.take_moves()
+    assert all(move.to_host for move in spills)
+    spills = [(move.gpu, move.host) for move in spills]
     assert [h for h in a.host_block_table if h >= 0] == [h for _, h in spills], "spilled in order"
     assert [g >= 0 for g in a.block_table] == [True, False, False, True], \
         "a's full blocks 1 and 2 went to the host, coldest (first full) first; block 0 and the partial one stayed"
@@ -248,8 +250,8 @@ def test_spill_moves_a_shared_block_for_every_sharer_and_keeps_its_registration(
     bm.allocate(b)
     assert b.num_cached_tokens == 2 * BLOCK and b.block_table[1] == a.block_table[1]
     # a's block 2 is the coldest (b's hit on block 1 touched it); force two spills
-    assert bm._spill_coldest() and bm._spill_coldest()
-    assert [gpu for gpu, _ in bm.take_spills()] == [a.block_table[0] + 2, a.block_table[0] + 1]
+    assert bm.tiers.spill_coldest() and bm.tiers.spill_coldest()
+    assert [move.gpu for move in bm.take_moves()] == [a.block_table[0] + 2, a.block_table[0] + 1]
     assert a.block_table[1] == b.block_table[1] == -1
     assert a.host_block_table[1] == b.host_block_table[1] >= 0
     c = Sequence(a.token_ids[:2 * BLOCK] + [6] * 3, a.sampling_params, BLOCK)

@@ -62,8 +62,9 @@ def test_threshold_one_equals_full_gpu_only(qwen3_dir, prompts):
     follow_ups = [shared + random_prompt(n, seed=n + 1) for n in (300, 700)]
     outputs = {}
     for policy in ("FULL", "XATTN_BSA"):
-        llm = build_llm(qwen3_dir, **COMMON, max_num_batched_tokens=512, sparse_policy=policy,
-                        sparse_threshold=1.0)
+        # sparse_threshold is XATTN_BSA's option: FULL refuses it (it was silently ignored before)
+        options = dict(sparse_threshold=1.0) if policy == "XATTN_BSA" else {}
+        llm = build_llm(qwen3_dir, **COMMON, max_num_batched_tokens=512, sparse_policy=policy, **options)
         run_requests(llm, [shared], greedy(4))
         done = run_requests(llm, follow_ups, greedy(MAX_TOKENS))
         assert all(d["seq"].num_cached_tokens >= 512 for d in done.values()), "the prefix cache was not hit"

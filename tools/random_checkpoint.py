@@ -46,6 +46,12 @@ SHAPES = {
         intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True),
+    # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64: 12 KiB of KV per token in bf16 (a small model over the host tier)
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        sliding_window=None, use_sliding_window=False),
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -11,28 +11,33 @@ from nanovllm.config import Config, check_engine_args
 from nanovllm.parallel import data_parallel, ranks
 from nanovllm.engine.step_loop import StepLoop
 from nanovllm.parallel.data_parallel import ReplicaPool, replica_config, torchrun_replicas
-from nanovllm.engine.prompts import Prompt, as_list, parse_conversations, parse_prompt, parse_prompts, template_kwargs
+from nanovllm.engine.engine_stats import EngineStats
+from nanovllm.engine.prompts import (Prompt, as_list, check_chat_args, parse_conversations, parse_prompt, parse_prompts,
+                                     render_chat)
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
-from nanovllm.engine.request_checks import RequestChecker
+from nanovllm.engine.request_checks import RequestChecker, check_unsupported_request_args
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.sequence import Sequence
 from nanovllm.engine.stopping import IncrementalDetokenizer
-from nanovllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from nanovllm.engine.tokenizer import default_sampling_fields, eos_token_ids, load_tokenizer
 from nanovllm.parallel.process_group import check_same_calls
 from nanovllm.hub import resolve_model
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.sparse.stats import sum_sparse_stats
+from nanovllm.vllm_compat import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineStats):
     """Offline inference engine (see :class:`nanovllm.LLM` for the arguments).
 
     ``model`` is a local directory or a Hugging Face Hub id (downloaded at ``revision`` into
-    ``download_dir``, see :func:`nanovllm.hub.resolve_model`).
+    ``download_dir``, see :func:`nanovllm.hub.resolve_model`); so is ``tokenizer``, at
+    ``tokenizer_revision`` (default ``revision``). vLLM's other arguments are accepted at values
+    that are a no-op here (``nanovllm.vllm_compat``); ``model_config`` is the read-only view
+    vLLM's ``llm_engine.model_config`` gives.
 
     With ``tensor_parallel_size > 1`` in a plain process, this process is rank 0 and spawns
     the other ranks on this host. Under torchrun every rank builds its own engine with the same
@@ -42,15 +47,22 @@ class LLMEngine:
     host, or under torchrun the replica of this rank.
     """
 
-    def __init__(self, model: str, revision: str | None = None, download_dir: str | None = None, **kwargs):
-        check_engine_args(kwargs)
-        model = resolve_model(model, revision, download_dir)
-        if kwargs.get("tokenizer") is not None:
-            kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"], revision, download_dir)
+    def __init__(self, model: str, revision: str | None = None, download_dir: str | None = None,
+                 tokenizer_revision: str | None = None, **kwargs):
+        generation_config = kwargs.get("generation_config", "auto")
+        kwargs = check_engine_args(kwargs)
+        model_id, model = model, resolve_model(model, revision, download_dir)
+        tokenizer = kwargs.get("tokenizer")
+        if tokenizer is None and tokenizer_revision not in (None, revision):
+            tokenizer = model_id
+        if tokenizer is not None:
+            kwargs["tokenizer"] = resolve_model(tokenizer, revision if tokenizer_revision is None else tokenizer_revision,
+                                                download_dir, what="tokenizer")
         config = Config(model, **kwargs)
         tokenizer = load_tokenizer(config)
         config.eos_token_ids = eos_token_ids(model, tokenizer, config.hf_config)
         self._start(config, tokenizer, spawned_replica=None)
+        self._default_sampling = default_sampling_fields(model) if generation_config == "auto" else {}
 
     @classmethod
     def _spawned_replica(cls, config: Config, replica: int) -> "LLMEngine":
@@ -63,6 +75,7 @@ class LLMEngine:
         """Build this process's replica: its runner (and tensor-parallel ranks) and scheduler;
         as replica 0 of a spawned data-parallel engine, also start the other replicas."""
         self.config, self.tokenizer = config, tokenizer
+        self._default_sampling: dict = {}
         self._outputs = OutputBuilder(tokenizer)
         self._workers, self._generators, self._replicas = [], {}, None
         launch = config.launch
@@ -92,6 +105,9 @@ class LLMEngine:
             self._finalizer()
             raise
         self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity)
+        self._model_config = ModelConfig(
+            model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=config.max_model_len,
+            dtype=config.dtype, seed=config.seed, hf_config=config.hf_config, trust_remote_code=config.trust_remote_code)
 
     def _make_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.model_runner.cache.block_manager(self.model_runner.tier_sizes))
@@ -100,6 +116,19 @@ class LLMEngine:
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model settings, read-only (vLLM's ``ModelConfig`` names: ``max_model_len``, ``model``,
+        ``tokenizer``, ``dtype``, ``seed``, ``hf_config``)."""
+        return self._model_config
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(prompts)`` uses without ``sampling_params`` (vLLM's rule): SamplingParams'
+        defaults, with the sampling fields the model's ``generation_config.json`` sets
+        (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, and
+        ``max_new_tokens`` as ``max_tokens``), unless built with ``generation_config="vllm"``."""
+        return SamplingParams(**self._default_sampling)
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
         """Queue one request (one completion: ``n`` must be 1) in any prompt form ``generate``
@@ -186,10 +215,13 @@ class LLMEngine:
 
     # ---- batch API ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``: one prompt or a list, each a string, a list of
         token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms).
-        ``sampling_params``: one for all prompts, one per prompt, or None (the defaults).
+        ``sampling_params``: one for all prompts, one per prompt, or None
+        (:meth:`get_default_sampling_params`). ``lora_request``: None (or a list of Nones);
+        ``priority``: None or one int per prompt, accepted and not used (requests are served first
+        come, first served, as vLLM's default "fcfs" policy does).
 
         Returns one :class:`nanovllm.outputs.RequestOutput` per prompt, in input order, with
         its ``n`` completions; ``out["text"]`` / ``out["token_ids"]`` / ``out["finish_reason"]``
@@ -197,38 +229,56 @@ class LLMEngine:
 
         Raises:
             ValueError: ``prompts`` or a prompt of a wrong form, empty, longer than
-                ``max_model_len`` or with ids outside the vocabulary; a bad SamplingParams.
-                Everything is checked before anything is queued, so the engine keeps serving.
-                ``use_tqdm`` not a bool.
+                ``max_model_len``, with ids outside the vocabulary or text that is not valid
+                Unicode; a bad SamplingParams; a LoRA request; ``priority`` not one int per
+                prompt. Everything is checked before anything is queued, so the engine keeps
+                serving. ``use_tqdm`` not a bool.
             RuntimeError: a prompt that cannot fit in the KV cache; requests queued with
                 ``add_request`` are still unfinished.
         """
         self._check_open()
         self._check_same_calls(prompts, sampling_params)
-        return self._generate(parse_prompts(prompts), sampling_params, use_tqdm)
+        prompts = parse_prompts(prompts)
+        check_unsupported_request_args(lora_request, priority, len(prompts))
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of ``{"role", "content"}`` message dicts)
-        or a list of conversations, through the tokenizer's chat template (or ``chat_template``).
-        As vLLM, the templated text is tokenized without adding special tokens (the template
-        has them). ``chat_template_kwargs``: extra variables of the template, as in vLLM (e.g.
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` message dicts;
+        ``content`` a string or OpenAI's text parts ``[{"type": "text", "text": ...}]``) or a list
+        of conversations, through the tokenizer's chat template (or ``chat_template``), with vLLM's
+        arguments in vLLM's order. As vLLM, the templated text is tokenized without adding special
+        tokens (the template has them). ``chat_template_content_format``: "auto" / "string" (text
+        parts joined by newlines) or "openai" (parts passed to the template as they are).
+        ``continue_final_message``: the reply continues the last message (an assistant prefix)
+        instead of starting a new one; needs ``add_generation_prompt=False``. ``tools``: passed to
+        the template. ``chat_template_kwargs``: extra template variables (e.g.
         ``{"enable_thinking": False}`` for Qwen3). Returns one RequestOutput per conversation,
         ``prompt`` the templated text.
 
         Raises:
-            ValueError: ``messages`` is not a conversation or a list of them; the tokenizer has
-                no chat template and none is given; ``chat_template_kwargs`` is not a dict with
-                string keys or names an argument this method sets; as :meth:`generate`.
+            ValueError: ``messages`` is not a conversation or a list of them (a message without a
+                string ``role``, content that is neither a string nor text parts, text that is not
+                valid Unicode, naming the conversation and message); the tokenizer has no chat
+                template and none is given; ``add_generation_prompt`` / ``continue_final_message``
+                not bools, or both True; ``chat_template_kwargs`` not a dict with string keys or
+                naming an argument this method sets; a LoRA request or multi-modal kwargs; as
+                :meth:`generate`.
         """
         self._check_open()
-        self._check_same_calls(messages, (sampling_params, chat_template, add_generation_prompt, chat_template_kwargs))
-        extra = template_kwargs(chat_template_kwargs)
+        self._check_same_calls(messages, (sampling_params, chat_template, add_generation_prompt, chat_template_kwargs,
+                                          continue_final_message, tools, chat_template_content_format))
+        extra = check_chat_args(add_generation_prompt, continue_final_message, chat_template_content_format,
+                                chat_template_kwargs, mm_processor_kwargs)
+        conversations = parse_conversations(messages, keep_parts=chat_template_content_format == "openai")
+        check_unsupported_request_args(lora_request, None, len(conversations))
         prompts = []
-        for conversation in parse_conversations(messages):
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+        for conversation in conversations:
+            text = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
+                               continue_final_message, tools, extra)
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -237,8 +287,11 @@ class LLMEngine:
         self._check_idle()
         if not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._checks.params_per_prompt(sampling_params, len(prompts))
-        prompts = [Prompt(p.text, self._checks.token_ids(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
+        prompts = [Prompt(p.text, self._checks.token_ids(p, f"prompts[{i}]", sp.truncate_prompt_tokens))
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
         if self._replicas is None:
             return self._run_requests(prompts, params, use_tqdm)
         costs = [data_parallel.request_cost(len(p.token_ids), sp, self.config.max_model_len)
@@ -289,76 +342,6 @@ class LLMEngine:
         bar.close()
         return outputs
 
-    # ---- statistics --------------------------------------------------------------------
-    def get_kv_cache_stats(self) -> dict:
-        """The KV cache's tiers as plain ints::
-
-            {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used", "spilled_blocks",
-             "prefix_cache_hit_tokens", "released_blocks", "loaded_blocks", "preemptions"}
-
-        ``*_used``: blocks held by live sequences (free blocks holding a cached prefix are not).
-        ``spilled_blocks``: blocks moved from the GPU tier to the host tier since the engine
-        started; ``loaded_blocks``: host-to-GPU reads since then, in blocks of every layer (keys and
-        values); ``prefix_cache_hit_tokens``: prompt tokens found in the prefix cache (either tier);
-        ``released_blocks``: blocks running sequences released before their sliding windows;
-        ``preemptions``: sequences preempted (recomputed later) because both tiers were full.
-        Blocks are ``kvcache_block_size`` tokens. With ``tensor_parallel_size > 1``,
-        ``loaded_blocks`` is rank 0's (every rank reads its shard).
-        With ``data_parallel_size > 1``, every value is summed over the replicas (under torchrun
-        every rank must call this: it gathers from every replica).
-        """
-        self._check_open()
-        stats = {**self.scheduler.block_manager.usage(), "loaded_blocks": self.model_runner.cache.loaded_blocks(),
-                 "preemptions": self.scheduler.num_preemptions}
-        if self._replicas is None:
-            return stats
-        return data_parallel.sum_kv_cache_stats(self._replicas.call("get_kv_cache_stats", stats))
-
-    def get_sparse_stats(self) -> dict:
-        """Densities of the sparse policy since the engine started or the last
-        :meth:`reset_sparse_stats`, as plain Python numbers::
-
-            {"policy": "QUEST",
-             "prefill": {"density", "comm_density", "kept_blocks", "visible_blocks",
-                         "loaded_host_bytes", "available_host_bytes",
-                         "per_layer": [{"layer", "density", "comm_density"}, ...]},
-             "decode": {"density", "read_tokens", "context_tokens", "comm_density",
-                        "loaded_host_bytes", "available_host_bytes", "reuse_rate", "reused_host_pages",
-                        "read_host_pages", "per_layer": [{"layer", "density", "comm_density", "reuse_rate"}, ...]}}
-
-        Prefill ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens)
-        over heads and query blocks; 1.0 for policies whose prefill is dense.
-        Decode ``density``: tokens read per KV head / tokens of the contexts (both tiers; the
-        always-read sinks, recent pages and page being written included), per layer and
-        sequence, counted for a policy that chooses decode pages or a model with sliding windows
-        (``read_tokens`` / ``context_tokens``); 1.0 for the others.
-        ``comm_density``: bytes read from the host tier (keys and values) / bytes of the host-tier
-        blocks the attention could read, per layer (None where the batch had no host blocks).
-        ``reuse_rate``: host (page, KV head) reads found in the reuse cache / host (page, KV head)
-        reads of a choosing policy's decode.
-        Reading syncs with the device once per layer; counting never does. With
-        ``tensor_parallel_size > 1`` these are rank 0's counts (its share of the heads).
-        With ``data_parallel_size > 1`` (under torchrun every rank must call this): each phase's
-        block counts are summed over the replicas and its ``density`` and ``comm_density``
-        computed from the sums, without ``per_layer``; ``"replicas"`` lists every replica's own
-        dict as above, ``per_layer`` included.
-        """
-        self._check_open()
-        cache = self.model_runner.cache
-        counts = cache.sparse_stats().to_dict(cache.policy.dense_prefill, not cache.counts_decode_reads)
-        stats = {"policy": self.config.sparse_policy, **counts}
-        if self._replicas is None:
-            return stats
-        return sum_sparse_stats(self._replicas.call("get_sparse_stats", stats))
-
-    def reset_sparse_stats(self) -> None:
-        """Zero the counts behind :meth:`get_sparse_stats` (on every replica; under torchrun
-        with ``data_parallel_size > 1`` every rank must call this)."""
-        self._check_open()
-        self.model_runner.cache.sparse_stats().reset()
-        if self._replicas is not None:
-            self._replicas.call("reset_sparse_stats", None)
-
     def shutdown(self):
         """Stop the workers and free graphs and KV memory (also run when the engine is garbage
         collected and at interpreter exit); the engine cannot be used after."""
@@ -394,7 +377,8 @@ def _replica_main(conn, config: Config, replica: int):
     try:
         data_parallel.serve(conn, engine._kv_capacity, {
             "generate": engine._run_requests, "get_kv_cache_stats": engine.get_kv_cache_stats,
-            "get_sparse_stats": engine.get_sparse_stats, "reset_sparse_stats": engine.reset_sparse_stats})
+            "get_sparse_stats": engine.get_sparse_stats, "reset_sparse_stats": engine.reset_sparse_stats,
+            "reset_prefix_cache": engine.reset_prefix_cache})
     finally:
         engine.shutdown()
 

@@ -5,7 +5,7 @@ all ranks with the same arguments. With spawned workers, rank 0 lives in the use
 drives the others through a :class:`RankChannel`; under torchrun each rank's engine makes the
 same calls itself and rank 0's sampled tokens are broadcast (``nanovllm.parallel``).
 
-A step: ``cache.begin_step(spills)`` -> ``cache.prepare`` -> model -> ``cache.finish_step`` ->
+A step: ``cache.begin_step(moves)`` -> ``cache.prepare`` -> model -> ``cache.finish_step`` ->
 sample (rank 0). A step returns its results on the device (:class:`SampledStep`); the engine
 reads them at once or, with async scheduling, one step later (``step_loop``).
 """
@@ -23,6 +23,7 @@ from nanovllm.parallel.channel import RankChannel
 from nanovllm.parallel.process_group import destroy_process_group, init_process_group
 from nanovllm.parallel.ranks import join
 from nanovllm.kvcache.cache import KVCache
+from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
@@ -83,8 +84,8 @@ class ModelRunner:
         return model.eval()
 
     def setup(self):
-        """Warm up (CUDA: measures the peak memory), size and allocate the KV cache's tiers, then
-        capture the decode CUDA graphs (all ranks)."""
+        """Warm up (CUDA: measures the peak memory), size and allocate the KV cache's tiers,
+        capture the decode CUDA graphs, then start pinning host memory (all ranks)."""
         if self.device.type == "cuda":
             self._warmup()
             self.cache.stats.reset()
@@ -92,6 +93,7 @@ class ModelRunner:
         self.cache.allocate(self.tier_sizes)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(self)
+        self.cache.start_pinning()  # not while capturing: registering host memory would break a capture
 
     @torch.inference_mode()
     def _warmup(self):
@@ -179,16 +181,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, generators: dict[int, torch.Generator] | None = None,
-            spills: list[tuple[int, int]] = (), input_ids: torch.Tensor | None = None) -> SampledStep | None:
-        """One step for ``seqs``, after copying the scheduler's ``spills`` (``(GPU block, host
-        block)``) to the host tier: a sampled token per sequence (none for an unfinished prefill
-        chunk) and the logprobs asked for, on the device, not waited for. ``input_ids``: int64
+            moves: list[BlockMove] = (), input_ids: torch.Tensor | None = None) -> SampledStep | None:
+        """One step for ``seqs``, after copying the scheduler's ``moves`` between the tiers
+        (``nanovllm.kvcache.eviction.BlockMove``): a sampled token per sequence (none for an
+        unfinished prefill chunk) and the logprobs asked for, on the device, not waited for. ``input_ids``: int64
         ``[len(seqs)]`` on the device, a decode step's inputs instead of the sequences' last
         tokens (async scheduling: the tokens the previous step sampled). Rank 0 samples; spawned
         workers return None."""
         if self.channel is not None and self.rank == 0:
-            self.channel.send("run", seqs, is_prefill, None, spills)
-        self.cache.begin_step(spills)
+            self.channel.send("run", seqs, is_prefill, None, moves)
+        self.cache.begin_step(moves)
         step_ids, positions, sample_idx = self.cache.prepare(seqs, is_prefill)
         if input_ids is not None:
             step_ids[:len(seqs)] = input_ids

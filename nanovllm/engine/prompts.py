@@ -2,7 +2,7 @@
 checked and brought to one form before anything is tokenized or queued."""
 from typing import NamedTuple
 
-from nanovllm.utils.checks import is_integer
+from nanovllm.utils.checks import check_bool, is_integer
 
 PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [ids]}"
 
@@ -72,13 +72,44 @@ def parse_prompts(prompts) -> list[Prompt]:
     return [parse_prompt(p) for p in prompts]
 
 
-def parse_conversations(messages) -> list[list[dict]]:
+def check_text(text: str, name: str) -> None:
+    """ValueError naming ``name`` when ``text`` is not valid Unicode (a lone surrogate, e.g. from
+    a bad decode: no tokenizer can encode it), with the position of the first bad character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} is not valid Unicode: {text[err.start]!r} (a lone surrogate) at character "
+                         f"{err.start}; fix the text's decoding (e.g. errors='replace')") from None
+
+
+def _message_content(content, where: str, keep_parts: bool):
+    """A message's content as the template gets it: a string, or OpenAI's text parts
+    (``[{"type": "text", "text": ...}]``) joined by newlines (vLLM's "string" format), or kept
+    as parts (``keep_parts``: its "openai" format)."""
+    if isinstance(content, str):
+        check_text(content, where)
+        return content
+    if not isinstance(content, (list, tuple)) or not all(isinstance(part, dict) for part in content):
+        raise ValueError(f"{where} needs a string 'content' or a list of text parts "
+                         f"[{{'type': 'text', 'text': ...}}], got {content!r:.80}")
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}, part {j}: only text parts {{'type': 'text', 'text': str}} are supported "
+                             f"(no multi-modal input), got {part!r:.80}")
+        check_text(part["text"], f"{where}, part {j}")
+    return [dict(part) for part in content] if keep_parts else "\n".join(part["text"] for part in content)
+
+
+def parse_conversations(messages, keep_parts: bool = False) -> list[list[dict]]:
     """``chat``'s ``messages``: one conversation (a list of message dicts such as
-    ``{"role": "user", "content": "Hi"}``) or a list of conversations.
+    ``{"role": "user", "content": "Hi"}``; content a string or OpenAI text parts) or a list of
+    conversations. Returns new message dicts whose content is a string (parts joined by
+    newlines) or, with ``keep_parts``, the list of parts.
 
     Raises:
         ValueError: ``messages`` is neither, naming the argument; a message lacks a string
-            ``role`` or ``content``, naming the conversation and message index.
+            ``role``, or its content is neither a string nor text parts, or is not valid Unicode,
+            naming the conversation and message index.
     """
     conversations = messages if isinstance(messages, (list, tuple)) and messages and all(
         isinstance(c, (list, tuple)) for c in messages) else [messages]
@@ -88,16 +119,61 @@ def parse_conversations(messages) -> list[list[dict]]:
             raise ValueError("messages must be a conversation (a non-empty list of message dicts such as "
                              "{'role': 'user', 'content': 'Hi'}) or a list of conversations, "
                              f"got {messages!r:.80}")
+    parsed = []
     for c, conversation in enumerate(conversations):
+        parsed.append([])
         for m, message in enumerate(conversation):
-            for key in ("role", "content"):
-                if not isinstance(message.get(key), str):
-                    raise ValueError(f"messages: conversation {c}, message {m} needs a string {key!r}, "
-                                     f"got {message!r:.80}")
-    return [list(c) for c in conversations]
+            where = f"messages: conversation {c}, message {m}"
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"{where} needs a string 'role', got {message!r:.80}")
+            parsed[-1].append({**message, "content": _message_content(message.get("content"), where, keep_parts)})
+    return parsed
 
 
-CHAT_ARGUMENTS = ("conversation", "chat_template", "tokenize", "add_generation_prompt")
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""``chat_template_content_format`` values (vLLM's); "auto" is "string" here."""
+
+
+def check_chat_args(add_generation_prompt, continue_final_message, content_format, chat_template_kwargs,
+                    mm_processor_kwargs) -> dict:
+    """``chat``'s switches checked; returns ``chat_template_kwargs`` as keyword arguments.
+
+    Raises:
+        ValueError: a switch that is not a bool, both True (vLLM's rule), an unknown content
+            format, multi-modal processor kwargs, or bad ``chat_template_kwargs``
+            (:func:`template_kwargs`).
+    """
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        check_bool(name, value)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message=True continues the last message, so it needs "
+                         "add_generation_prompt=False (vLLM's rule)")
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, got {content_format!r}")
+    if mm_processor_kwargs:
+        raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80} is not supported: no multi-modal models")
+    return template_kwargs(chat_template_kwargs)
+
+
+def render_chat(tokenizer, conversation: list[dict], chat_template, add_generation_prompt: bool,
+                continue_final_message: bool, tools, extra: dict) -> str:
+    """One conversation through the chat template (transformers' ``apply_chat_template``) as text.
+
+    Raises:
+        ValueError: the tokenizer has no chat template and none is given (transformers' error).
+    """
+    kwargs = dict(extra)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    if tools is not None:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+CHAT_ARGUMENTS = ("conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                  "tools")
 """``apply_chat_template`` arguments that ``chat`` sets itself."""
 
 

@@ -1,7 +1,7 @@
 """Everything a request is checked against before it is queued, so that a bad request raises at
 once and the engine keeps serving the others: prompts (tokenized here) against the vocabulary,
 ``max_model_len`` and the KV cache's capacity, SamplingParams against the vocabulary."""
-from nanovllm.engine.prompts import Prompt
+from nanovllm.engine.prompts import Prompt, check_text
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.checks import is_integer
 
@@ -14,15 +14,26 @@ class RequestChecker:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.kv_capacity = max_model_len, kv_capacity
 
-    def token_ids(self, prompt: Prompt, name: str = "prompt") -> list[int]:
+    def token_ids(self, prompt: Prompt, name: str = "prompt", truncate: int | None = None) -> list[int]:
         """The prompt's token ids (its text tokenized when it has none), checked; errors start
-        with ``name`` (``prompts[i]`` in a batch).
+        with ``name`` (``prompts[i]`` in a batch). ``truncate``: keep the last k ids
+        (SamplingParams.truncate_prompt_tokens; -1: the last ``max_model_len``).
 
         Raises:
-            ValueError: empty, longer than ``max_model_len``, a non-integer id or one outside the
-                vocabulary. RuntimeError: more tokens than the KV cache holds.
+            ValueError: text that is not valid Unicode (a lone surrogate); empty, longer than
+                ``max_model_len``, a non-integer id or one outside the vocabulary; ``truncate``
+                above ``max_model_len``. RuntimeError: more tokens than the KV cache holds.
         """
-        ids = self.tokenizer.encode(prompt.text) if prompt.token_ids is None else prompt.token_ids
+        if prompt.token_ids is None:
+            check_text(prompt.text, name)
+            ids = self.tokenizer.encode(prompt.text)
+        else:
+            ids = prompt.token_ids
+        if truncate is not None:
+            if truncate > self.max_model_len:
+                raise ValueError(f"{name}: truncate_prompt_tokens={truncate} is more than max_model_len="
+                                 f"{self.max_model_len}")
+            ids = list(ids[-(self.max_model_len if truncate == -1 else truncate):])
         if not ids:
             raise ValueError(f"{name} is empty (0 tokens); at least 1 token is required")
         if len(ids) > self.max_model_len:
@@ -56,11 +67,31 @@ class RequestChecker:
         if bad:
             raise ValueError(f"{name}: stop_token_ids has token id {bad[0]}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: {field} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if params.bad_words:
+            params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}: {field}={k} is more than the vocabulary's {self.vocab_size} tokens")
         return params
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of ``words``: each word (stripped of leading spaces) as it tokenizes at
+        the start of a text, and with a leading space where that gives other tokens of the same
+        length (vLLM's ``update_from_tokenizer``); ids outside the vocabulary are dropped."""
+        sequences = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced) if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain) \
+                    else (plain,):
+                if ids and max(ids) < self.vocab_size and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         """``generate``'s ``sampling_params`` (None, one for all, or one per prompt) as one
@@ -77,3 +108,23 @@ class RequestChecker:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompt(s): "
                              "give one SamplingParams for all or one per prompt")
         return [self.params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
+
+
+def check_unsupported_request_args(lora_request, priority, num_prompts: int) -> None:
+    """vLLM's per-request ``lora_request`` (None, or one None per prompt) and ``priority`` (None,
+    or one int per prompt: accepted, and requests are served first come, first served).
+
+    Raises:
+        ValueError: a LoRA request (LoRA is not supported); ``priority`` not a list of
+            ``num_prompts`` ints.
+    """
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+    if any(lora is not None for lora in loras):
+        raise ValueError(f"lora_request={lora_request!r:.80} is not supported: nanovllm runs no LoRA adapters "
+                         f"(use None, or merge the adapter into the weights)")
+    if isinstance(lora_request, (list, tuple)) and len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompt(s)")
+    if priority is not None and not (isinstance(priority, (list, tuple)) and len(priority) == num_prompts
+                                     and all(is_integer(p) for p in priority)):
+        raise ValueError(f"priority must be None or a list of {num_prompts} int(s), one per prompt, "
+                         f"got {priority!r:.80}")

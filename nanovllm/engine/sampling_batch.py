@@ -89,18 +89,49 @@ def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.T
 
 
 def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device):
-    """(row, token) pairs of the eos and stop ids that rows below ``min_tokens`` may not sample."""
+    """(row, token) pairs that rows may not sample: the eos and stop ids of rows below
+    ``min_tokens``, and bad words' last tokens (a one-token word always; a longer one when the
+    output ends with its other tokens, known on the host: ``Scheduler.schedule_decode_ahead``
+    does not run such rows ahead)."""
     rows, tokens = [], []
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
+        banned = set()
         if seq.num_completion_tokens < params.min_tokens:
-            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-            stop = sorted(t for t in stop if t < vocab_size)
-            rows += [i] * len(stop)
-            tokens += stop
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if params._bad_words_token_ids:
+            output = seq.completion_token_ids
+            banned |= {ids[-1] for ids in params._bad_words_token_ids
+                       if len(ids) == 1 or (len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1:] == ids[:-1])}
+        banned = sorted(t for t in banned if t < vocab_size)
+        rows += [i] * len(banned)
+        tokens += banned
     if not rows:
         return None
     return to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)
+
+
+def _allowed(params: list[SamplingParams], device):
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    rows = [i for i in restricted for _ in params[i].allowed_token_ids]
+    tokens = [t for i in restricted for t in params[i].allowed_token_ids]
+    ints = partial(to_device, dtype=torch.int64, device=device)
+    return ints(restricted), (ints(rows), ints(tokens))
+
+
+def _bias(params: list[SamplingParams], device):
+    rows, tokens, values = [], [], []
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            rows.append(i)
+            tokens.append(token)
+            values.append(value)
+    if not rows:
+        return None
+    return ((to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)),
+            to_device(values, torch.float32, device))
 
 
 def _logprob_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[int], int]:
@@ -129,13 +160,16 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, eos_token_ids: 
             min_p = to_device([p.min_p for p in params], torch.float32, device)
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     logprob_rows, num_logprobs = _logprob_rows(params, vocab_size)
+    adjusted = any(p.adjusts_logits for p in params)
     return SamplingTensors(
         temperatures, top_k, top_p, min_p, sampled_rows,
         generators={row: generators[seq.seq_id] for row, seq in enumerate(seqs)
                     if generators and seq.seq_id in generators},
         penalties=_penalties(seqs, penalised, device, input_ids) if penalised else None,
-        banned=_banned(seqs, eos_token_ids, vocab_size, device) if any(p.min_tokens for p in params) else None,
-        logprob_rows=logprob_rows, num_logprobs=num_logprobs)
+        banned=(_banned(seqs, eos_token_ids, vocab_size, device)
+                if adjusted or any(p.min_tokens for p in params) else None),
+        logprob_rows=logprob_rows, num_logprobs=num_logprobs,
+        allowed=_allowed(params, device) if adjusted else None, bias=_bias(params, device) if adjusted else None)
 
 
 @dataclass

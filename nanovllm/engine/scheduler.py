@@ -1,11 +1,12 @@
 """Chooses which sequences run in the next step: a prefill batch or a decode batch."""
 import logging
+import time
 from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.engine.stopping import check_stop, may_stop_on_token, reaches_length_limit
-from nanovllm.kvcache.block_manager import BlockManager
+from nanovllm.kvcache.block_manager import BlockManager, BlockMove
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ class Scheduler:
     steps (only the head of the waiting queue can be part-way). Otherwise all running sequences
     decode one token. The block manager spills cold blocks to the host tier to make GPU room; when
     both tiers are full, the most recently admitted running sequence is preempted and later
-    recomputed. The spills decided for a step go to the model runner with it (:meth:`take_spills`).
+    recomputed. The moves between the tiers decided for a step go to the model runner with it
+    (:meth:`take_moves`).
 
     With async scheduling, :meth:`schedule_decode_ahead` and :meth:`schedule_prefill_ahead`
     schedule the step after one still running on the device, before its tokens are known
@@ -58,9 +60,10 @@ class Scheduler:
             return scheduled, True
         return self._schedule_decode(), False
 
-    def take_spills(self) -> list[tuple[int, int]]:
-        """The ``(GPU block, host block)`` copies the last :meth:`schedule` decided."""
-        return self.block_manager.take_spills()
+    def take_moves(self) -> list[BlockMove]:
+        """The copies between the tiers the last scheduling decided (spills, write-backs of evicted
+        prefix-cache blocks, load-backs of host hits: ``nanovllm.kvcache.eviction``)."""
+        return self.block_manager.take_moves()
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled, budget, manager = [], self.max_num_batched_tokens, self.block_manager
@@ -74,6 +77,8 @@ class Scheduler:
             if not chunk:
                 break
             seq.schedule(chunk)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             budget -= chunk
             scheduled.append(seq)
             if not seq.samples_token:  # part-way: the chunk does not complete its prompt
@@ -122,25 +127,38 @@ class Scheduler:
         that cannot be done without those tokens.
 
         Possible only when nothing waits (so ``running`` is the unfinished ``seqs`` and no
-        admission is due) and the step's new blocks can be placed without a preemption or a
-        dropped cached prefix while the sequences stopping in ``seqs`` still hold theirs. Then the
-        tokens of ``seqs`` get placeholders (:meth:`_advance`) and the step is every unfinished
-        sequence of ``seqs`` that does not reach its length limit with them; one that stops on its
-        token (eos, stop id, stop string) is computed once more, and that result is dropped.
+        admission is due), no request of ``seqs`` has a bad word of several tokens, and the step's
+        new blocks can be placed without a preemption, either (a) with no move between the tiers
+        and no cached prefix dropped, while the sequences stopping in ``seqs`` still hold their
+        blocks, or (b) with a host tier, with moves (spills, write-backs) when no sequence of
+        ``seqs`` can finish with its token (by length or by its value): postprocessing then frees
+        nothing, so the synchronous loop makes the same moves (the blocks ``seqs`` fill become
+        spill candidates here, as their commit would make them). Then the tokens of ``seqs`` get
+        placeholders (:meth:`_advance`) and the step is every unfinished sequence of ``seqs`` that
+        does not reach its length limit with them; one that stops on its token (eos, stop id, stop
+        string) is computed once more, and that result is dropped.
         """
-        if self.waiting:
-            return None
+        if self.waiting or any(seq.sampling_params.has_multi_token_bad_words for seq in seqs):
+            return None  # a multi-token bad word's mask needs the step's tokens on the host
         live = [seq for seq in seqs if not seq.is_finished]  # those that stopped in the step before are done
         batch = [seq for seq in live if not reaches_length_limit(seq, self.max_model_len, 1)]
         # the step writes position num_computed_tokens + 1: a new block when no block holds it yet
-        block_size = self.block_manager.block_size
-        new_blocks = sum(len(seq.block_table) * block_size <= seq.num_computed_tokens + 1 for seq in batch)
-        if not batch or not self.block_manager.can_place_blank(new_blocks):
+        manager = self.block_manager
+        new_blocks = sum(len(seq.block_table) * manager.block_size <= seq.num_computed_tokens + 1 for seq in batch)
+        if not batch:
             return None
+        filled = []
+        if not manager.can_place_blank(new_blocks):
+            # postprocessing would commit the blocks ``seqs`` fill (the warmest spill candidates)
+            filled = [b for seq in live for b in manager.filled_ahead(seq, seq.num_computed_tokens + 1)]
+            if len(batch) < len(live) or any(may_stop_on_token(seq, self.eos_token_ids) for seq in live) \
+                    or not manager.can_place(new_blocks, len(filled)):
+                return None
         for seq in live:
             self._advance(seq, sampled=True)
+        manager.add_candidates(filled)
         for seq in batch:
-            self.block_manager.ensure_writable(seq, 1)
+            manager.ensure_writable(seq, 1)
             seq.schedule(1)
         return longest_first(batch)
 
@@ -184,7 +202,7 @@ class Scheduler:
         (their tokens are placeholders, filled in here). A sequence finished already (computed
         once more by an overlapped step after it stopped) is left as it is.
         """
-        finished = []
+        finished, now = [], time.time()
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
@@ -192,12 +210,16 @@ class Scheduler:
                 self._advance(seq, sampled=token_id is not None)
             if token_id is not None:
                 seq.fill_token(token_id)
+                seq.last_token_time = now
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
             self.block_manager.commit(seq)
             if token_id is None:
                 continue
             reason = self._finish_reason(seq, token_id)
             if reason:
                 seq.finish_reason = reason
+                seq.finished_time = now
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

@@ -7,13 +7,14 @@ logprobs and block bookkeeping. Until then each sequence holds a placeholder tok
 (``sequence.PLACEHOLDER_TOKEN``), so lengths, positions and slots of step N+1 are right.
 
 When it overlaps: ``Config.async_scheduling`` is on (the CUDA default where supported: tensor
-parallelism 1, no host KV tier, a sparse policy other than QUEST; see ``Config``); every step is
-then launched without waiting for it, and the next step is launched before reading it when the
+parallelism 1 and a sparse policy that does not choose decode blocks; see ``Config``); every step
+is then launched without waiting for it, and the next step is launched before reading it when the
 scheduler can schedule it without the step's tokens:
 
 - after a decode step, :meth:`Scheduler.schedule_decode_ahead`: a decode step of the same
   sequences (those reaching ``max_tokens`` / ``max_model_len`` left out), when nothing waits to be
-  admitted and its new blocks need no preemption and drop no cached prefix;
+  admitted and its new blocks need no preemption and either move nothing between the KV tiers and
+  drop no cached prefix, or (host tier) move blocks when no sequence can finish with its token;
 - after a prefill step, :meth:`Scheduler.schedule_prefill_ahead`: the next prefill chunk, when
   requests wait and no sequence completing its prompt in the step can stop on its first token
   (by length, or by its value: eos, stop token ids, stop strings), so that reading the tokens
@@ -21,7 +22,11 @@ scheduler can schedule it without the step's tokens:
 
 Otherwise (the first decode step after prefill, a prefill after decode, a preemption, a full
 cache, a first token that may stop its sequence) the in-flight step is read first and the next one
-scheduled as in the synchronous loop. Either way the steps are the synchronous loop's, except
+scheduled as in the synchronous loop. With the host tier, a step scheduled ahead carries its moves (spills,
+write-backs, load-backs) like any step: the model runner queues their copies when it launches the
+step, and they start once the device finished the step before (``nanovllm.kvcache.host_tier``), so
+a block that step still writes or reads is never copied over; a batch with no host-resident block
+runs the GPU-only path (paged kernels, CUDA graphs). Either way the steps are the synchronous loop's, except
 that a sequence stopping on a sampled token (eos, stop token id, stop string) is computed in one
 more step, whose token, logprobs and KV are dropped (its blocks are freed when its stop is read).
 Block counts and the prefix cache end as in the synchronous loop. Outputs (greedy, seeded) are
@@ -110,7 +115,7 @@ class StepLoop:
         if not seqs:
             raise RuntimeError("the scheduler could not schedule any sequence (KV cache too small)")
         num_tokens = launched_tokens(seqs, is_prefill)
-        sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_spills())
+        sampled = self.runner.run(seqs, is_prefill, self.generators, self.scheduler.take_moves())
         if self.overlap:
             self.in_flight = InFlightStep(seqs, is_prefill, sampled)
             return finished, num_tokens
@@ -128,7 +133,7 @@ class StepLoop:
         """Launch ``batch``, the step after ``previous``, before reading ``previous`` (a decode
         step's input ids are ``previous``'s tokens on the device)."""
         input_ids = None if previous.is_prefill else previous.input_ids(batch)
-        sampled = self.runner.run(batch, previous.is_prefill, self.generators, self.scheduler.take_spills(),
+        sampled = self.runner.run(batch, previous.is_prefill, self.generators, self.scheduler.take_moves(),
                                   input_ids)
         return InFlightStep(batch, previous.is_prefill, sampled)
 

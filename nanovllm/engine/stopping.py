@@ -23,7 +23,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
+                                     spaces_between_special_tokens=self.params.spaces_between_special_tokens)
 
     def _decode_next(self, token_id: int) -> str:
         self.token_ids.append(token_id)

@@ -1,4 +1,5 @@
-"""The engine's tokenizer and the end-of-sequence ids it stops on."""
+"""The engine's tokenizer, and what it takes from the model's generation config: the
+end-of-sequence ids it stops on and the default sampling fields."""
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
@@ -17,6 +18,21 @@ def eos_token_ids(model: str, tokenizer, hf_config=None) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""generation_config.json keys -> SamplingParams fields (vLLM's ``get_diff_sampling_param``)."""
+
+
+def default_sampling_fields(model: str) -> dict:
+    """The SamplingParams fields that ``model``'s ``generation_config.json`` sets to other values
+    than transformers' defaults (``GenerationConfig.to_diff_dict``); {} without the file."""
+    try:
+        config = GenerationConfig.from_pretrained(model).to_diff_dict()
+    except (OSError, ValueError):
+        return {}
+    return {name: config[key] for key, name in _SAMPLING_FIELDS.items() if config.get(key) is not None}
 
 
 def load_tokenizer(config: Config):

@@ -7,120 +7,45 @@ With no host blocks this is nano-vLLM's paged block manager.
 
 - **Admission** (:meth:`BlockManager.can_allocate`, :meth:`BlockManager.allocate`): cached prefix
   blocks are shared, in whichever tier they are; the rest of the prompt is *reserved* (counted
-  against the free blocks of both tiers) and placed when it is written.
+  against the free blocks of both tiers) and placed when it is written. A host-tier hit that no
+  live sequence holds is loaded back to the GPU tier when the GPU tier has room beyond every
+  reservation, and always when it is the sequence's first block (``eviction.py``).
 - **Writing** (:meth:`BlockManager.ensure_writable`): the blocks new tokens go to are GPU-tier
   blocks. When the GPU tier has none free, the placement rule (``placement.py``) names the coldest
-  full block of a live sequence, which moves to a host block: the move is queued
-  (:meth:`BlockManager.take_spills`) and the model runner copies it before the step's forward.
-  Only when neither tier can give a block does :meth:`ensure_writable` fail (the scheduler then
-  preempts). With a host tier, a live sequence holds its first block and the block it writes on
-  the GPU, so at most ``gpu_blocks // 2`` sequences are live at once.
+  full block of a live sequence, which moves to a host block (a spill). Only when neither tier can
+  give a block does :meth:`ensure_writable` fail (the scheduler then preempts). A live sequence
+  holds its first block and the block it writes on the GPU (its first block stays on the host only
+  when, at its admission, neither tier could give a GPU block), so with a host tier at most
+  ``gpu_blocks // 2`` sequences are live at once.
 - **Prefix caching**: a full block whose KV is computed is registered under
-  ``hash = xxh64(parent_hash, token_ids)`` in an index shared by the tiers; its content gets an id
-  chained to its parent's, so a hit checks token ids and the chain (a hash collision is a miss).
-  Registrations move with spilled blocks and survive while blocks are free, until their memory is
-  reused; free blocks without a registration are reused first, registered ones least recently
-  freed first.
+  ``hash = xxh64(parent_hash, token_ids)`` in an index shared by the tiers (``block_pool.py``).
+  Registrations move with spilled blocks and survive while blocks are free: free blocks without a
+  registration are reused first, registered ones least recently freed first; a registered GPU
+  block about to be reused is written back to the host tier and stays registered there (the
+  second level), until the host tier reuses that block in turn.
 - **Sliding windows** (``release_window``: every layer of the model has a window, the widest W):
   after each :meth:`BlockManager.commit`, the blocks of a sequence wholly before the window of its
   next query (position ``c = num_computed_tokens``: blocks whose last token is before
   ``c - W + 1``) are released, in either tier: no later query of the sequence sees them. Their
   registration stays, so later prompts reuse them until their memory is reused, and the
   sequence's tables hold ``RELEASED`` there (read from the window's first block on only).
+
+Every move between the tiers is queued (:meth:`BlockManager.take_moves`) and copied by the model
+runner before the step's forward, in order.
 """
 import itertools
 import sys
-from collections import OrderedDict
-
-import numpy as np
-import xxhash
 
 from nanovllm.sequence import Sequence
+from nanovllm.kvcache.block_pool import NO_BLOCK, Block, BlockPool, compute_block_hash
+from nanovllm.kvcache.eviction import BlockMove, TierMoves
 from nanovllm.kvcache.placement import ColdestFirst
 
-NO_BLOCK = -1
+__all__ = ["NO_BLOCK", "RELEASED", "Block", "BlockManager", "BlockMove", "BlockPool", "compute_block_hash"]
+
 RELEASED = -2
 """A logical block a running sequence released (wholly before every layer's sliding window): it is
 in neither tier's table of the sequence any more."""
-
-
-def compute_block_hash(token_ids: list[int], parent_hash: int = -1) -> int:
-    """xxh64 of the parent block's hash (if any) followed by the block's token ids (int32)."""
-    h = xxhash.xxh64()
-    if parent_hash != -1:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
-    return h.intdigest()
-
-
-class Block:
-    """One physical block of a tier, with the identity of the content it holds."""
-
-    __slots__ = ("block_id", "tier", "ref_count", "hash", "token_ids", "content_id", "parent")
-
-    def __init__(self, block_id: int, tier: str):
-        self.block_id, self.tier, self.ref_count = block_id, tier, 0
-        self.clear()
-
-    def clear(self):
-        """Forget the content (hash -1: not registered)."""
-        self.hash, self.token_ids, self.content_id, self.parent = -1, [], -1, -1
-
-    def take_content(self, other: "Block"):
-        self.hash, self.token_ids, self.content_id, self.parent = other.hash, other.token_ids, other.content_id, other.parent
-
-
-class BlockPool:
-    """One tier's blocks: reference counts and the free list (unregistered blocks first, then
-    registered ones least recently freed first). ``index`` is the hash index shared by the tiers."""
-
-    def __init__(self, tier: str, num_blocks: int, index: dict[int, Block]):
-        self.tier = tier
-        self.blocks = [Block(i, tier) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.index = index
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def take(self) -> Block:
-        """A free block for new content (dropping the registration of what it held)."""
-        block = self.blocks[self.free.popitem(last=False)[0]]
-        self.forget(block)
-        block.ref_count = 1
-        return block
-
-    def takes_are_blank(self, num_blocks: int) -> bool:
-        """Whether the next ``num_blocks`` :meth:`take` calls find free blocks holding no
-        registered content (so they drop no cached prefix)."""
-        return num_blocks <= self.num_free and all(
-            self.blocks[i].hash == -1 for i in itertools.islice(self.free, num_blocks))
-
-    def forget(self, block: Block):
-        if block.hash != -1 and self.index.get(block.hash) is block:
-            del self.index[block.hash]
-        block.clear()
-
-    def acquire(self, block: Block):
-        """One more reference to ``block`` (a prefix-cache hit)."""
-        if block.ref_count == 0:
-            del self.free[block.block_id]
-        block.ref_count += 1
-
-    def release(self, block: Block) -> bool:
-        """One reference less; True when the block became free."""
-        block.ref_count -= 1
-        if block.ref_count:
-            return False
-        self.free[block.block_id] = None
-        if block.hash == -1:
-            self.free.move_to_end(block.block_id, last=False)
-        return True
 
 
 class BlockManager:
@@ -142,9 +67,8 @@ class BlockManager:
         self._committed: dict[int, tuple[int, int, int]] = {}  # seq_id -> (blocks, last hash, last content id)
         self._released: dict[int, int] = {}  # seq_id -> its leading blocks released (outside the window)
         self.num_released_blocks = 0
-        self._spills: list[tuple[int, int]] = []
+        self.tiers = TierMoves(self.gpu, self.host, self.index, self.placement, self._live)
         self._content_ids = itertools.count()
-        self.num_spilled_blocks = 0
         self.num_hit_tokens = 0
 
     @property
@@ -195,20 +119,32 @@ class BlockManager:
     def allocate(self, seq: Sequence):
         """Admit ``seq``: share its cached prefix blocks and reserve the rest.
 
+        Every hit is taken first (so that no move below reuses one); then host-tier hits that no
+        live sequence holds are loaded back to the GPU tier, in order, while the GPU tier has more
+        free blocks than all admitted sequences reserve (the first block in any case, spilling
+        the coldest candidate if needed; it stays on the host only when no GPU block can be had).
         Sets ``seq.num_cached_tokens`` / ``num_computed_tokens`` to the tokens found in the cache;
         when the whole sequence is cached, its last token is still recomputed (to get logits).
         """
         assert seq.seq_id not in self._live and not seq.block_table
         hits = self._prefix_hits(seq)
-        for i, block in enumerate(hits):
+        for block in hits:
             self._pool(block.tier).acquire(block)
             self._append(seq, block)
-            if block.tier == "gpu" and i > 0:
-                self.placement.add(block.block_id, i)
         last = hits[-1] if hits else None
         self._committed[seq.seq_id] = (len(hits), last.hash if last else -1, last.content_id if last else -1)
         self._reserved[seq.seq_id] = seq.num_blocks - len(hits)
         self._live[seq.seq_id] = seq
+        for i, block in enumerate(hits):
+            if block.tier == "host" and block.ref_count == 1 and (
+                    i == 0 or self.gpu.num_free > sum(self._reserved.values())):
+                loaded = self.tiers.load_back(block)
+                if loaded is not None:
+                    self.host.release(block)  # free again, as the GPU block's host copy
+                    seq.block_table[i], seq.host_block_table[i] = loaded.block_id, NO_BLOCK
+                    block = loaded
+            if block.tier == "gpu" and i > 0:
+                self.placement.add(block.block_id, i)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = min(seq.num_cached_tokens, len(seq) - 1)
         self.num_hit_tokens += seq.num_cached_tokens
@@ -228,45 +164,45 @@ class BlockManager:
         reserved = self._reserved.get(seq.seq_id, 0)
         if not reserved and self.num_free_blocks < 1:
             return False
-        if self.gpu.num_free == 0 and not self._spill_coldest():
+        if self.gpu.num_free == 0 and not self.tiers.spill_coldest():
             return False
-        self._append(seq, self.gpu.take())
+        self._append(seq, self.tiers.take_gpu())
         if reserved:
             self._reserved[seq.seq_id] = reserved - 1
         return True
 
-    def _spill_coldest(self) -> bool:
-        victim = self.placement.victim() if self.host.num_free else None
-        if victim is None:
-            return False
-        gpu_id, index = victim
-        src, dst = self.gpu.blocks[gpu_id], self.host.take()
-        dst.take_content(src)
-        dst.ref_count = src.ref_count
-        if src.hash != -1 and self.index.get(src.hash) is src:
-            self.index[src.hash] = dst
-        for seq in self._live.values():  # every sequence sharing the block reads it from the host now
-            if index < len(seq.block_table) and seq.block_table[index] == gpu_id:
-                seq.block_table[index], seq.host_block_table[index] = NO_BLOCK, dst.block_id
-        src.clear()
-        src.ref_count = 1
-        self.gpu.release(src)
-        self.placement.remove(gpu_id)
-        self._spills.append((gpu_id, dst.block_id))
-        self.num_spilled_blocks += 1
-        return True
-
     def can_place_blank(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` new blocks can be placed now with no spill, no preemption and
-        no cached prefix dropped (async scheduling places the next step's blocks before it knows
-        which sequences finished, and then must change nothing the synchronous loop would not)."""
+        """Whether ``num_blocks`` new blocks can be placed now with no move between the tiers, no
+        preemption and no cached prefix dropped (async scheduling places the next step's blocks
+        before it knows which sequences finished, and then must change nothing the synchronous
+        loop would not)."""
         return num_blocks <= self.num_free_blocks and self.gpu.takes_are_blank(num_blocks)
 
-    def take_spills(self) -> list[tuple[int, int]]:
-        """The ``(gpu block, host block)`` moves decided since the last call, in order; the
-        model runner copies them before the next forward."""
-        spills, self._spills = self._spills, []
-        return spills
+    def can_place(self, num_blocks: int, new_candidates: int = 0) -> bool:
+        """Whether ``num_blocks`` new blocks for sequences without reservations can be placed now
+        without a preemption: the GPU tier's free blocks first (writing back what they hold),
+        then a spill per block, from the spill candidates and ``new_candidates`` more."""
+        spills = max(0, num_blocks - self.gpu.num_free)
+        return num_blocks <= self.num_free_blocks and self.tiers.can_spill(spills, new_candidates)
+
+    def filled_ahead(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """``(logical index, GPU block)`` of the blocks of ``seq`` other than its first that are
+        full once its first ``num_tokens`` tokens are computed and that :meth:`commit` has not
+        reached (async scheduling: blocks the step still running fills)."""
+        done = self._committed[seq.seq_id][0]
+        return [(i, seq.block_table[i]) for i in range(max(done, 1), num_tokens // self.block_size)
+                if seq.block_table[i] != NO_BLOCK]
+
+    def add_candidates(self, blocks: list[tuple[int, int]]):
+        """Blocks from :meth:`filled_ahead` become spill candidates before their commit (which
+        then touches them again, in the same order: the synchronous loop's candidates)."""
+        for index, gpu_id in blocks:
+            self.placement.add(gpu_id, index)
+
+    def take_moves(self) -> list[BlockMove]:
+        """The moves between the tiers decided since the last call, in order (``eviction.py``);
+        the model runner copies them before the next forward."""
+        return self.tiers.take()
 
     # ---- release and registration ------------------------------------------------------
     def deallocate(self, seq: Sequence):
@@ -315,10 +251,22 @@ class BlockManager:
             self._released[seq.seq_id] = first
             self.num_released_blocks += first - done
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the registration of every free block of both tiers (cached prefixes no live
+        sequence holds), so no later prompt hits them. Returns True when the prefix cache is then
+        empty, False when live sequences still hold registered blocks (kept: they are in use)."""
+        for pool in (self.gpu, self.host):
+            dropped = [i for i in pool.free if pool.blocks[i].hash != -1]
+            for i in dropped:
+                pool.forget(pool.blocks[i])
+                pool.free.move_to_end(i, last=False)
+        return not self.index
+
     def usage(self) -> dict:
-        """Block counts of both tiers (used = held by live sequences) and the cumulative
-        spills, prefix-cache hits and blocks released outside sliding windows, as plain ints."""
+        """Block counts of both tiers (used = held by live sequences), the cumulative spills,
+        write-backs of evicted prefix-cache blocks, prefix-cache hits and blocks released outside
+        sliding windows, as plain ints."""
         return {"gpu_blocks": self.gpu.num_blocks, "gpu_blocks_used": self.gpu.num_blocks - self.gpu.num_free,
                 "host_blocks": self.host.num_blocks, "host_blocks_used": self.host.num_blocks - self.host.num_free,
-                "spilled_blocks": self.num_spilled_blocks, "prefix_cache_hit_tokens": self.num_hit_tokens,
-                "released_blocks": self.num_released_blocks}
+                "spilled_blocks": self.tiers.num_spilled, "evicted_blocks": self.tiers.num_written_back,
+                "prefix_cache_hit_tokens": self.num_hit_tokens, "released_blocks": self.num_released_blocks}

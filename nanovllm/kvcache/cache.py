@@ -3,15 +3,17 @@
     cache = KVCache(config, attention_layers, device)   binds itself to every attention layer
     cache.host_blocks(ranks_on_host)                    host-tier size (0 without the host tier)
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
-    each step: cache.begin_step(spills) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
+    cache.start_pinning()                               host memory pinned in the background from now on
+    each step: cache.begin_step(moves) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
 The GPU tier is ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys, values) read
 in place by the paged kernels, its last blocks of each layer the decode reuse cache's rows, followed
 in memory by the staging rows that all layers share (``tier_rows.py``: with a host tier and a choosing
 policy, decode addresses the whole as one table of rows); the host tier (``host_tier.py``) holds
-spilled blocks in pinned memory.
+spilled and evicted blocks in host memory pinned on demand (``host_memory.py``).
 Which block lives where is the block manager's business (``block_manager.py``, on the scheduler's
-side); a step carries it here as each sequence's two block tables and the list of spills. The
+side); a step carries it here as each sequence's two block tables and the list of moves between
+the tiers (``eviction.py``: spills, write-backs, load-backs). The
 attention over both tiers is ``tiered_attention.py``, a step's inputs are built by
 ``step_inputs.py``; the sparse policy only chooses (``nanovllm.sparse``). With the host tier off,
 every step is the GPU-only engine's: same tables, same kernels. Whether the host tier exists is
@@ -27,6 +29,7 @@ from nanovllm.kvcache import sizing
 from nanovllm.kvcache.sizing import KVGeometry, TierSizes
 from nanovllm.sequence import Sequence
 from nanovllm.kvcache.block_manager import NO_BLOCK, BlockManager
+from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.tiered_attention import TieredAttention
 from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
@@ -138,9 +141,13 @@ class KVCache:
     def _log(self, sizes: TierSizes):
         g = self.geometry
         tiers = [("GPU", sizes.gpu_blocks)] + ([("host", sizes.host_blocks)] if self.host else [])
-        logger.info("KV cache: %s; %d-token blocks of %d layers in %s%s", ", ".join(
+        pinned = "" if self.host is None else (
+            f" (host capacity {self.host.memory.capacity_bytes / 2**30:.2f} GiB, pinned now "
+            f"{self.host.memory.bytes_pinned / 2**30:.2f} GiB, then on demand in chunks of "
+            f"{self.host.memory.chunk_blocks} blocks)")
+        logger.info("KV cache: %s%s; %d-token blocks of %d layers in %s%s", ", ".join(
             f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
-            for name, n in tiers), g.block_size, g.num_layers, g.dtype,
+            for name, n in tiers), pinned, g.block_size, g.num_layers, g.dtype,
             f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
             f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
@@ -153,24 +160,51 @@ class KVCache:
         return BlockManager(sizes.gpu_blocks, self.geometry.block_size, sizes.host_blocks,
                             release_window=self.release_window)
 
+    def start_pinning(self):
+        """Start pinning the host tier's memory in the background (after the CUDA graphs are
+        captured: ``host_memory.py``); a no-op without a host tier."""
+        if self.host is not None:
+            self.host.memory.start()
+
     def release(self):
+        """Free both tiers (the host tier's memory unpinned)."""
         if self.host is not None:  # allocated (release may follow a failed allocate)
-            self.host.synchronize()
+            self.host.free_memory()
         self.attention.release()
         self.kv = self.host = None
 
     # ---- steps -------------------------------------------------------------------------
-    def begin_step(self, spills: list[tuple[int, int]]):
-        """Copy the blocks the scheduler spilled (``(GPU block, host block)``, in order) to the
-        host tier, before anything of this step writes the GPU tier; the reuse cache forgets the
-        pages of the host blocks rewritten."""
-        if not spills:
+    def begin_step(self, moves: list[BlockMove]):
+        """Copy the blocks the scheduler moved between the tiers (``eviction.BlockMove``: spills,
+        write-backs, load-backs, in order) before anything of this step touches the GPU tier; the
+        policy's metadata follows them; the reuse cache forgets the pages of the host blocks
+        rewritten."""
+        if not moves:
             return
-        self.host.spill(spills, self.kv[0], self.kv[1])
-        gpu_ids, host_ids = (to_device(ids, torch.int64, self.device) for ids in zip(*spills))
-        self.attention.forget_host_blocks(host_ids)
+        self.host.move(moves, self.kv[0], self.kv[1])
+        rewritten = [m.host for m in moves if m.to_host]
+        if rewritten:
+            self.attention.forget_host_blocks(to_device(rewritten, torch.int64, self.device))
         if self.policy.needs_block_metadata:
-            self.policy.on_spill(gpu_ids, host_ids)
+            self._move_metadata(moves)
+
+    def _move_metadata(self, moves: list[BlockMove]):
+        """The policy's metadata copied as the blocks were, in order: one call per run of moves
+        of one direction with no repeated destination."""
+        run, destinations = [], set()
+        for move in [*moves, None]:
+            if run and (move is None or move.to_host != run[0].to_host
+                        or (move.host if move.to_host else move.gpu) in destinations):
+                gpu_ids = to_device([m.gpu for m in run], torch.int64, self.device)
+                host_ids = to_device([m.host for m in run], torch.int64, self.device)
+                if run[0].to_host:
+                    self.policy.on_spill(gpu_ids, host_ids)
+                else:
+                    self.policy.on_load(host_ids, gpu_ids)
+                run, destinations = [], set()
+            if move is not None:
+                run.append(move)
+                destinations.add(move.host if move.to_host else move.gpu)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         """Set the attention context of a step; returns the model inputs ``(input_ids,
@@ -233,7 +267,11 @@ class KVCache:
         """The sparse statistics."""
         return self.stats
 
-    def loaded_blocks(self) -> int:
-        """Host-to-GPU loads so far, in blocks of every layer (keys and values), pages gathered
-        included (syncs with the device once)."""
-        return self.host.loaded_bytes() // self.geometry.block_bytes if self.tiered else 0
+    def usage(self) -> dict:
+        """``loaded_blocks``: host-to-GPU reads so far (ring loads, gathers, load-backs), in blocks
+        of every layer (keys and values), pages gathered included (syncs with the device once);
+        ``host_bytes_pinned``: host-tier bytes pinned now. Plain ints, 0 without a host tier."""
+        if not self.tiered:
+            return {"loaded_blocks": 0, "host_bytes_pinned": 0}
+        return {"loaded_blocks": self.host.loaded_bytes() // self.geometry.block_bytes,
+                "host_bytes_pinned": self.host.memory.bytes_pinned}

@@ -1,31 +1,39 @@
-"""The host tier of the KV cache: pinned host blocks, the GPU ring buffer that decode reads them
-through, and every host->GPU read with its streams and events. A choosing policy's host pages are
-not copied but gathered per (page, KV head) (:meth:`HostTier.gather_pages`): a kernel on the
-compute stream, after the step's spills, reads the pinned pages in place
-(:func:`nanovllm.ops.gather_host_pages`); their bytes are counted on the device.
+"""The host tier of the KV cache: host blocks (pinned on demand, ``host_memory.py``), the GPU
+ring buffer that decode reads them through, and every copy between host and GPU with its streams
+and events. A choosing policy's host pages are not copied but gathered per (page, KV head)
+(:meth:`HostTier.gather_pages`): a kernel on the compute stream, after the step's moves, reads the
+pinned pages in place (:func:`nanovllm.ops.gather_host_pages`); their bytes are counted on the
+device.
 
 Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
 
-    host  k_host, v_host  [L, Nh, block_size, Hkv, D]   pinned, layer-major
+    host  k_host, v_host  [L, Nh, block_size, Hkv, D]   layer-major (layer stride: a page multiple),
+                                                        pinned chunk by chunk as blocks are used
     GPU   k_slots, v_slots [N, block_size, Hkv, D]      the ring (one layer of one block per slot)
 
 Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops):
 
-    compute (the model's current stream): record step_start -> wait spill_done -> forward ...
+    compute (the model's current stream): record step_start -> wait moves_done -> forward ...
                                           wait slot_ready[s] -> attend slot s -> record slot_free[s]
-    spill stream:     wait step_start -> D2H of each spilled block, all layers per copy
-                      (cudaMemcpy2DAsync, strided by layer on both sides) -> record spill_done
-    transfer stream s (one per slot): wait slot_free[s], spill_done -> H2D of one layer of one
+    spill stream:     wait step_start -> each move of the step, in order, all layers of a block per
+                      copy (cudaMemcpy2DAsync, strided by layer on both sides; D2H for spills and
+                      write-backs, H2D for load-backs) -> record moves_done
+    transfer stream s (one per slot): wait slot_free[s], moves_done -> H2D of one layer of one
                       block into slot s -> record slot_ready[s] (a serial plan puts every load
                       on stream 0, in order)
 
-Gathers for prefill (:meth:`HostTier.read_block`) copy on the compute stream itself, after it
-waited for the step's spills.
+``step_start`` is recorded when the host begins step N+1, after it enqueued all of step N on the
+compute stream; so the moves of N+1 start once the device finished step N, even with async
+scheduling (N+1 decided while N runs): a move never reads a block step N writes (spills take full
+blocks) nor writes one it reads. Gathers for prefill (:meth:`HostTier.read_block`) copy on the
+compute stream itself, after it waited for the step's moves.
 """
 import contextlib
 
 import torch
 
+from nanovllm.kvcache.eviction import BlockMove
+from nanovllm.kvcache.host_memory import HostMemory
 from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 from nanovllm.ops import gather_host_pages
 
@@ -44,34 +52,28 @@ class _NullEvent:
 
 class HostTier:
     """Args: num_layers, block_size, num_kv_heads, head_dim, dtype, device (the KV geometry of
-    this rank); num_blocks (host blocks, >= 0); num_slots (ring slots, >= 2).
+    this rank); num_blocks (host blocks, >= 1); num_slots (ring slots, >= 2); chunk_bytes (bytes
+    pinned at a time, ``host_memory.PIN_CHUNK_BYTES`` by default).
 
     Raises:
-        RuntimeError: host memory cannot be allocated or pinned (with the byte counts).
+        RuntimeError: host memory cannot be mapped or pinned (with the byte counts).
     """
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, num_slots: int):
-        self.num_layers, self.block_size, self.num_blocks, self.num_slots = num_layers, block_size, num_blocks, num_slots
-        self.device, self.cuda = device, device.type == "cuda"
+                 device: torch.device, num_blocks: int, num_slots: int, chunk_bytes: int | None = None):
+        self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
+        self.num_slots, self.device, self.cuda = num_slots, device, device.type == "cuda"
         block_shape = (block_size, num_kv_heads, head_dim)
-        self.k_host, self.v_host = (self._host_cache((num_layers, num_blocks, *block_shape), dtype) for _ in range(2))
+        self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes)
+        self.k_host, self.v_host = self.memory.k, self.memory.v
         # Uninitialised on purpose: a slot is written before it is read, valid lengths bound reads.
         self.k_slots, self.v_slots = (torch.empty(num_slots, *block_shape, dtype=dtype, device=device)
                                       for _ in range(2))
-        self.block_bytes = block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.block_bytes = self.memory.block_bytes
         """Bytes of one layer of one block, keys or values."""
         self.bytes_h2d = self.bytes_d2h = 0  # copies issued by the host
         self._gathered_bytes = 0  # pages gathered by kernels: a device count
         self._make_streams()
-
-    def _host_cache(self, shape, dtype) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
-        except RuntimeError as err:
-            raise RuntimeError(f"cannot allocate {'pinned ' if self.cuda else ''}host KV cache of "
-                               f"{nbytes / 2**30:.2f} GiB {tuple(shape)}: {err}") from err
 
     def _make_streams(self):
         if self.cuda:
@@ -92,33 +94,41 @@ class HostTier:
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.cuda else _NullStream()
 
-    # ---- spills ------------------------------------------------------------------------
-    def spill(self, moves: list[tuple[int, int]], k_gpu: torch.Tensor, v_gpu: torch.Tensor):
-        """Copy every layer of GPU block ``g`` into host block ``h`` for each ``(g, h)`` of
-        ``moves``, in order, after the compute stream's work so far; the compute stream then waits
-        for the copies (the GPU blocks are rewritten in this step).
+    # ---- moves between the tiers -------------------------------------------------------
+    def move(self, moves: list[BlockMove], k_gpu: torch.Tensor, v_gpu: torch.Tensor):
+        """Copy every layer of each move's block (``eviction.BlockMove``: GPU to host when
+        ``to_host``, else host to GPU), in order, on the spill stream, after the compute stream's
+        work so far; the compute stream then waits for the copies (this step rewrites GPU blocks
+        moved to the host and reads those moved to the GPU). Waits first (logged) if a host
+        block is not pinned yet, and keeps the pinning a chunk ahead.
 
         Args:
             k_gpu, v_gpu: the GPU tier, ``[L, num_gpu_blocks, block_size, Hkv, D]``.
         """
+        self.memory.ensure(1 + max(m.host for m in moves))
         self.step_start.record(self._compute_stream())
         self.spill_stream.wait_event(self.step_start)
-        gpu_pitch, host_pitch = k_gpu.stride(0) * k_gpu.element_size(), self.num_blocks * self.block_bytes
-        kind = "d2h" if self.cuda else "h2h"
+        gpu_pitch, host_pitch = k_gpu.stride(0) * k_gpu.element_size(), self.k_host.stride(0) * self.k_host.element_size()
         stream = self.spill_stream if self.cuda else None
-        for gpu_id, host_id in moves:
-            for src, dst in ((k_gpu, self.k_host), (v_gpu, self.v_host)):
-                memcpy_2d_async(dst[0, host_id], src[0, gpu_id], host_pitch, gpu_pitch, self.block_bytes,
-                                self.num_layers, kind, stream)
+        for move in moves:
+            for gpu, host in ((k_gpu, self.k_host), (v_gpu, self.v_host)):
+                if move.to_host:
+                    memcpy_2d_async(host[0, move.host], gpu[0, move.gpu], host_pitch, gpu_pitch, self.block_bytes,
+                                    self.num_layers, "d2h" if self.cuda else "h2h", stream)
+                else:
+                    memcpy_2d_async(gpu[0, move.gpu], host[0, move.host], gpu_pitch, host_pitch, self.block_bytes,
+                                    self.num_layers, "h2d" if self.cuda else "h2h", stream)
         self.spill_done.record(self.spill_stream)
         self._compute_stream().wait_event(self.spill_done)
-        self.bytes_d2h += 2 * len(moves) * self.num_layers * self.block_bytes
+        to_host = sum(m.to_host for m in moves)
+        self.bytes_d2h += 2 * to_host * self.num_layers * self.block_bytes
+        self.bytes_h2d += 2 * (len(moves) - to_host) * self.num_layers * self.block_bytes
 
     # ---- ring --------------------------------------------------------------------------
     def load(self, slot: int, layer: int, host_id: int, stream: int | None = None):
         """Start copying ``layer`` of host block ``host_id`` into ring ``slot`` (H2D on transfer
         stream ``stream``, by default the slot's, after the slot's previous reader and the step's
-        spills)."""
+        moves)."""
         stream = self.transfer_streams[slot if stream is None else stream]
         stream.wait_event(self.slot_free[slot])
         stream.wait_event(self.spill_done)
@@ -176,3 +186,9 @@ class HostTier:
             self.spill_stream.synchronize()
             for stream in self.transfer_streams:
                 stream.synchronize()
+
+    def free_memory(self):
+        """Stop pinning and unpin the host blocks (after :meth:`synchronize`; the engine is done
+        with this tier)."""
+        self.synchronize()
+        self.memory.release()

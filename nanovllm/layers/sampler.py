@@ -1,6 +1,6 @@
 """Token sampling for a batch of rows with mixed parameters, on the device, following vLLM's V1
-sampler: raw log-probabilities, penalties and min_tokens masking, greedy argmax, then temperature,
-min-p, top-k / top-p and the exponential race. Every stage is a whole-batch tensor op and is
+sampler: raw log-probabilities, penalties, allowed-token masks, logit bias, min_tokens and
+bad-word masks, greedy argmax, then temperature, min-p, top-k / top-p and the exponential race. Every stage is a whole-batch tensor op and is
 skipped when no row of the batch uses it (the host flags of :class:`SamplingTensors`)."""
 from dataclasses import dataclass
 
@@ -42,7 +42,10 @@ class SamplingTensors:
     ``penalties`` (None when no row has any), ``banned`` ((row, token id) int64 pairs masked to
     -inf before sampling: eos and stop ids of rows below ``min_tokens``; None when none),
     ``logprob_rows`` (rows whose request asked for logprobs) and ``num_logprobs`` (top-k width
-    returned for them: the largest k asked in the batch).
+    returned for them: the largest k asked in the batch). ``allowed`` (None when no row restricts
+    its tokens): (restricted rows int64 ``[r]``, (row, token id) int64 ``[m]`` pairs of the tokens
+    those rows may sample); ``bias``: (row, token id) int64 ``[m]`` and the float32 ``[m]``
+    biases added there (None when no row has a logit bias). Bad words are ``banned`` pairs.
     """
 
     temperatures: torch.Tensor | None
@@ -55,6 +58,8 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     logprob_rows: list[int] | None = None
     num_logprobs: int = 0
+    allowed: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+    bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -144,11 +149,22 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def apply_allowed(logits: torch.Tensor, restricted: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]):
+    """-inf everywhere in the ``restricted`` rows but at the ``allowed`` (row, token) pairs
+    (vLLM's ``allowed_token_ids``); out of place."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[restricted] = True
+    blocked[allowed] = False
+    return logits.masked_fill(blocked, float("-inf"))
+
+
 def temperature_only(params: SamplingTensors) -> bool:
     """True when the batch needs nothing but greedy rows and temperature: no penalties, banned
-    tokens, min-p, top-k / top-p or logprobs (read from the host flags, no device sync)."""
+    or allowed tokens, logit bias, min-p, top-k / top-p or logprobs (read from the host flags,
+    no device sync)."""
     return (params.penalties is None and params.banned is None and params.min_p is None
-            and params.top_k is None and params.top_p is None and not params.logprob_rows)
+            and params.top_k is None and params.top_p is None and not params.logprob_rows
+            and params.allowed is None and params.bias is None)
 
 
 class Sampler(nn.Module):
@@ -182,6 +198,10 @@ class Sampler(nn.Module):
         raw = logits = logits.float()
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
+        if params.allowed is not None:
+            logits = apply_allowed(logits, *params.allowed)
+        if params.bias is not None:
+            logits = logits.index_put(params.bias[0], params.bias[1], accumulate=True)
         if params.banned is not None:
             logits = logits.index_put(params.banned, logits.new_full((), float("-inf")))
         tokens = logits.argmax(-1)

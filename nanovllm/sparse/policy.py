@@ -15,9 +15,10 @@ The attention pipeline (``nanovllm/kvcache/tiered_attention.py``) asks the engin
   :attr:`~SparsePolicy.dense_layers` layers, reads everything.
 
 Policies keep per-page metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
-once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full and
-:meth:`~SparsePolicy.on_spill` when blocks move to the host tier. Metadata of both tiers is
-indexed by *metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block ``h`` is slot
+once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full,
+:meth:`~SparsePolicy.on_spill` when blocks are copied to the host tier and
+:meth:`~SparsePolicy.on_load` when they are copied back. Metadata of both tiers is indexed by
+*metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block ``h`` is slot
 ``num_gpu_blocks + h``; page ``j`` of the block in slot ``s`` is *metadata page* ``s * pages per
 block + j``. A policy never copies KV, never touches streams, ring slots or statistics.
 """
@@ -160,7 +161,12 @@ class SparsePolicy:
         ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv, D]``)."""
 
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
-        """Full blocks moved from the GPU tier (``gpu_ids``) to the host tier (``host_ids``)."""
+        """Full blocks copied from the GPU tier (``gpu_ids``) to the host tier (``host_ids``): a
+        spill, or an evicted prefix-cache block written back (int64 ``[n]``, no repeated host id)."""
+
+    def on_load(self, host_ids: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        """Full blocks copied from the host tier (``host_ids``) back to the GPU tier (``gpu_ids``): a
+        prefix-cache hit loaded back (int64 ``[n]``, no repeated GPU id)."""
 
     # ---- choices -----------------------------------------------------------------------
     def prefill_mask(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

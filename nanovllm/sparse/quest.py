@@ -4,7 +4,8 @@ Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
 Per page of ``page_size`` tokens (the paper's 16) of every full block and layer, the policy keeps
 the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device), for
 the blocks of both tiers (indexed by metadata page, see ``policy.py``): computed from the GPU cache
-when a block becomes full and copied along when the block is spilled to the host tier. Per layer,
+when a block becomes full, copied along when the block is spilled to the host tier and back
+when it is loaded into the GPU tier. Per layer,
 every KV head scores its candidate pages from its query heads' upper bounds of ``q . k`` (each
 head's bounds as a softmax over the candidates, combined over the GQA group by ``group_score``:
 "max" or "sum"; ``nanovllm.ops.quest_scores``) and reads its ``budget_pages`` best, besides the
@@ -82,6 +83,10 @@ class QuestPolicy(ChoosingPolicy):
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
         for bounds in (self.kmin, self.kmax):
             bounds[:, self.num_gpu_blocks + host_ids] = bounds[:, gpu_ids]
+
+    def on_load(self, host_ids: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        for bounds in (self.kmin, self.kmax):
+            bounds[:, gpu_ids] = bounds[:, self.num_gpu_blocks + host_ids]
 
     # ---- choice ------------------------------------------------------------------------
     def select_decode_pages(self, layer: int, q: torch.Tensor, candidates: DecodeCandidates) -> torch.Tensor:

@@ -1,0 +1,278 @@
+"""The host tier's memory, pinned on demand: one pageable anonymous mapping whose ranges are
+page-locked chunk by chunk, by a background thread, ahead of the blocks the tier hands out.
+
+Layout (``L`` layers, ``Nh`` host blocks of ``block_bytes`` per layer, keys or values):
+
+    keys    [L, Nh, block_size, Hkv, D]   layer l at byte l * layer_stride of the mapping
+    values  [L, Nh, block_size, Hkv, D]   at byte (L + l) * layer_stride
+    layer_stride = Nh * block_bytes rounded up to a page
+
+One mapping and one tensor each for keys and values, so every address handed out stays valid as
+more of it is pinned: ring loads, the strided spill copies (``memcpy2d``) and the UVA gather
+kernel (``nanovllm.ops.gather_host_blocks``) read and write the same tensors before and after.
+An untouched page costs nothing, so the capacity (what admission counts) is free until used.
+
+**Chunks.** Chunk ``c`` is host blocks ``c * chunk_blocks .. (c + 1) * chunk_blocks - 1``. It is
+pinned by registering (``cudaHostRegister``, portable and mapped), for keys and values of every
+layer, the bytes from its first block to the next chunk's first block, both ends rounded up to a
+page (:meth:`HostMemory.chunk_ranges`). The ranges of consecutive chunks tile the mapping without
+overlap, and every byte of chunk ``c``'s blocks lies in the ranges of chunks ``0..c``; chunks are
+pinned in order, so block ``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A
+range's pages are faulted in first (zeroed by the kernel: CPU work that holds no driver lock), then
+registered in slices of :data:`PIN_SLICE_BYTES` with a pause after each (:data:`PIN_DUTY`): a
+``cudaHostRegister`` call holds the driver, so a step's CUDA calls on another thread wait for it
+(measured on the H200, 16 MiB calls back to back: a step of 50 small launches took 1.27 s instead
+of 0.9 ms, docs/benchmarks.md); slices bound that wait, the pause keeps it rare.
+
+**When.** Pinning starts with :meth:`HostMemory.start` (the engine calls it once the CUDA graphs
+are captured: registering memory during a capture would break it) and stays one chunk ahead of
+use: :meth:`HostMemory.reserve` (blocks below ``n`` are written now) asks the thread for every
+chunk up to block ``n + chunk_blocks``; :meth:`HostMemory.ensure` also waits until blocks below
+``n`` are pinned (a step that must wait is logged and counted in :attr:`HostMemory.wait_s`).
+:meth:`HostMemory.release` stops the thread and unregisters everything.
+
+**Device access.** The gather kernel reads pinned memory through its host address, which needs
+``cudaDevAttrCanUseHostPointerForRegisteredMem``: at construction one page is registered and its
+device pointer (``cuPointerGetAttribute``) compared with its host pointer. If they differ (or the
+driver cannot be asked), the tier is allocated pinned at once with ``cudaHostAlloc`` (whose
+pointers agree under unified addressing) and nothing is pinned later. On CPU nothing is pinned,
+but the same chunks, thread and counts run (``register`` only records), so CI tests them.
+"""
+import ctypes
+import logging
+import math
+import mmap
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PIN_CHUNK_BYTES = 1 << 30
+"""Bytes per chunk (keys and values of every layer), rounded to whole blocks, at least one."""
+PIN_SLICE_BYTES = 4 << 20
+"""Bytes per ``cudaHostRegister`` call (a page multiple): the longest the pinning thread holds the
+driver, which other threads' CUDA calls wait for."""
+PIN_DUTY = 0.25
+"""Share of the time the pinning thread spends registering: after a call of ``t`` seconds it
+sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it."""
+_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute (2 is the memory type)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _cudart_call(name: str, *args):
+    """Call ``torch.cuda.cudart().<name>``; raises RuntimeError with CUDA's text on an error."""
+    cudart = torch.cuda.cudart()
+    err = getattr(cudart, name)(*args)
+    if err != cudart.cudaError.success:
+        raise RuntimeError(f"{name} failed: {cudart.cudaGetErrorString(err)}")
+
+
+def registered_pointers_agree() -> bool:
+    """Whether the device reads registered host memory at its host address (one page registered,
+    its device pointer compared with its host pointer, then unregistered); False when it cannot
+    be told."""
+    page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
+    ptr = torch.frombuffer(page, dtype=torch.uint8).data_ptr()
+    try:
+        _cudart_call("cudaHostRegister", ptr, mmap.PAGESIZE, _REGISTER_FLAGS)
+    except (RuntimeError, AttributeError):
+        return False
+    try:
+        device_ptr = ctypes.c_uint64(0)
+        status = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute(
+            ctypes.byref(device_ptr), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER, ctypes.c_uint64(ptr))
+        return status == 0 and device_ptr.value == ptr
+    except OSError:
+        return False
+    finally:
+        _cudart_call("cudaHostUnregister", ptr)
+
+
+class HostMemory:
+    """Keys and values of the host tier (module doc): :attr:`k`, :attr:`v` ``[num_layers,
+    num_blocks, *block_shape]`` of ``dtype`` on the CPU.
+
+    Args: num_layers; num_blocks (>= 1); block_shape (``(block_size, Hkv, D)``); dtype; device
+    (CUDA: pinned on demand; CPU: bookkeeping only); chunk_bytes (default
+    :data:`PIN_CHUNK_BYTES`).
+
+    Raises:
+        RuntimeError: the memory cannot be mapped or (the eager fallback) pinned, with the bytes.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, chunk_bytes: int | None = None):
+        self.num_layers, self.num_blocks, self.device = num_layers, num_blocks, device
+        self.cuda = device.type == "cuda"
+        block_elems = math.prod(block_shape)
+        self.block_bytes = block_elems * dtype.itemsize
+        """Bytes of one layer of one block, keys or values."""
+        chunk_bytes = PIN_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self.chunk_blocks = max(1, min(num_blocks, chunk_bytes // (2 * num_layers * self.block_bytes)))
+        self.num_chunks = -(-num_blocks // self.chunk_blocks)
+        self.layer_stride = _round_up(num_blocks * self.block_bytes, mmap.PAGESIZE)
+        self.capacity_bytes = 2 * num_layers * self.layer_stride
+        self._lock = threading.Condition()
+        self._target = self._pinned = 0  # chunks asked for, chunks pinned
+        self._ranges: list[tuple[int, int]] = []  # (address, bytes) registered, in order
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.wait_s, self.num_waits = 0.0, 0
+        self.eager = self.cuda and not registered_pointers_agree()
+        shape = (num_layers, num_blocks, *block_shape)
+        if self.eager:
+            logger.warning("this device cannot read registered host memory at its host address: the host tier's "
+                           "%.2f GiB are pinned at once (cudaHostAlloc)", self.capacity_bytes / 2**30)
+            self.k, self.v = (self._allocate_pinned(shape, dtype) for _ in range(2))
+            self._pinned = self._target = self.num_chunks
+            return
+        try:
+            self._map = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE)
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"cannot map {self.capacity_bytes / 2**30:.2f} GiB of host memory for the host tier "
+                               f"{shape}: {err}") from err
+        flat = torch.frombuffer(self._map, dtype=dtype)
+        self.base = flat.data_ptr()
+        inner = [math.prod(block_shape[i + 1:]) for i in range(len(block_shape))]  # a block, contiguous
+        stride = (self.layer_stride // dtype.itemsize, block_elems, *inner)
+        self.k, self.v = (flat.as_strided(shape, stride, t * num_layers * self.layer_stride // dtype.itemsize)
+                          for t in range(2))
+
+    def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as err:
+            nbytes = math.prod(shape) * dtype.itemsize
+            raise RuntimeError(f"cannot allocate pinned host KV cache of 2 x {nbytes / 2**30:.2f} GiB "
+                               f"{tuple(shape)} (keys, values): {err}") from err
+
+    # ---- chunks ------------------------------------------------------------------------
+    @property
+    def pinned_blocks(self) -> int:
+        """Host blocks ``0 .. pinned_blocks - 1`` are pinned (all of them on the eager path)."""
+        return min(self.num_blocks, self._pinned * self.chunk_blocks)
+
+    @property
+    def bytes_pinned(self) -> int:
+        """Bytes page-locked now (on CPU: that would be)."""
+        return self.capacity_bytes if self.eager else sum(size for _, size in self._ranges)
+
+    def chunk_ranges(self, chunk: int) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of the ranges that pin ``chunk`` (module doc), keys then values,
+        layer by layer; a range that rounds to nothing is left out."""
+        first, last = chunk * self.chunk_blocks, min((chunk + 1) * self.chunk_blocks, self.num_blocks)
+        ranges = []
+        for layer in range(2 * self.num_layers):
+            start = self.base + layer * self.layer_stride
+            end = start + (self.layer_stride if last == self.num_blocks else last * self.block_bytes)
+            lo, hi = (_round_up(a - self.base, mmap.PAGESIZE) + self.base
+                      for a in (start + first * self.block_bytes, end))
+            if hi > lo:
+                ranges.append((lo, hi - lo))
+        return ranges
+
+    def _pin(self, address: int, size: int):
+        """Fault the range's pages in (CPU work, no driver call), then register it slice by slice,
+        pausing after each slice (:data:`PIN_SLICE_BYTES`, :data:`PIN_DUTY`)."""
+        if self.cuda:
+            offset = address - self.base
+            torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=offset).fill_(0)
+        slice_bytes = max(mmap.PAGESIZE, PIN_SLICE_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
+        for start in range(address, address + size, slice_bytes):
+            length = min(slice_bytes, address + size - start)
+            if self.cuda:
+                t = time.perf_counter()
+                _cudart_call("cudaHostRegister", start, length, _REGISTER_FLAGS)
+                time.sleep((time.perf_counter() - t) * (1 / PIN_DUTY - 1))
+            self._ranges.append((start, length))
+            if self._stop:
+                return
+
+    # ---- growth ------------------------------------------------------------------------
+    def start(self):
+        """Start pinning in the background (the first chunk now; idempotent)."""
+        with self._lock:
+            if self._thread is None and not self.eager and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="nanovllm-host-pinning", daemon=True)
+                self._thread.start()
+        self.reserve(0)
+
+    def reserve(self, num_blocks: int):
+        """Blocks below ``num_blocks`` are about to be written: ask for every chunk through block
+        ``num_blocks + chunk_blocks`` (one chunk ahead), without waiting."""
+        want = min(self.num_chunks, -(-(num_blocks + self.chunk_blocks) // self.chunk_blocks))
+        with self._lock:
+            if want > self._target:
+                self._target = want
+                self._lock.notify_all()
+
+    def ensure(self, num_blocks: int):
+        """Blocks below ``num_blocks`` are pinned when this returns (waiting for the thread if it
+        is behind, which is logged); also :meth:`reserve`.
+
+        Raises:
+            RuntimeError: pinning failed (CUDA's error, the bytes pinned and the capacity).
+        """
+        if self._thread is None:
+            self.start()
+        self.reserve(num_blocks)
+        if self.pinned_blocks >= num_blocks and self._error is None:
+            return
+        t = time.perf_counter()
+        with self._lock:
+            while self.pinned_blocks < num_blocks and self._error is None and not self._stop:
+                self._lock.wait()
+        if self._error is not None:
+            raise RuntimeError(f"cannot pin host memory for the host tier ({self.bytes_pinned / 2**30:.2f} of "
+                               f"{self.capacity_bytes / 2**30:.2f} GiB pinned): {self._error}; lower "
+                               f"cpu_memory_utilization or num_cpu_kvcache_blocks") from self._error
+        waited = time.perf_counter() - t
+        self.wait_s += waited
+        self.num_waits += 1
+        logger.warning("a step waited %.3f s for host memory to be pinned (blocks below %d of %d); %.2f GiB pinned",
+                       waited, num_blocks, self.num_blocks, self.bytes_pinned / 2**30)
+
+    def _run(self):
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # the registering context is this device's
+            while True:
+                with self._lock:
+                    while not self._stop and self._pinned >= self._target:
+                        self._lock.wait()
+                    if self._stop:
+                        return
+                    chunk = self._pinned
+                for address, size in self.chunk_ranges(chunk):
+                    self._pin(address, size)
+                if self._stop:
+                    return
+                with self._lock:
+                    self._pinned += 1
+                    self._lock.notify_all()
+        except BaseException as err:  # reported by the next ensure()
+            with self._lock:
+                self._error = err
+                self._lock.notify_all()
+
+    def release(self):
+        """Stop pinning and unregister every range (the device must be done with the memory:
+        the CUDA device is synchronized first); the tensors stay valid, pageable."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self.cuda and self._ranges:
+            torch.cuda.synchronize(self.device)
+            for address, _ in self._ranges:
+                _cudart_call("cudaHostUnregister", address)
+        self._ranges = []
+        self._pinned = self._target = 0

@@ -1,0 +1,99 @@
+"""Host memory pinned on demand (``nanovllm/kvcache/host_memory.py``) on the GPU: registered
+memory is read by the UVA gather kernel at its host address, copied by the strided spill copies
+and the ring, and torch sees it as pinned.
+
+    python -m pytest tests/gpu/test_host_memory_gpu.py -q
+"""
+import pytest
+import torch
+
+from nanovllm.kvcache.eviction import BlockMove
+from nanovllm.kvcache.host_memory import HostMemory, registered_pointers_agree
+from nanovllm.kvcache.host_tier import HostTier
+from nanovllm.ops import gather_host_blocks, gather_host_blocks_ref
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+
+
+def test_the_device_reads_registered_memory_at_its_host_address():
+    assert registered_pointers_agree()
+
+
+def test_chunks_are_pinned_in_the_background_and_released():
+    memory = HostMemory(4, 64, (256, 2, 64), torch.bfloat16, DEVICE, chunk_bytes=8 << 20)
+    assert not memory.eager and memory.chunk_blocks == 32 and memory.bytes_pinned == 0
+    memory.start()
+    memory.ensure(1)
+    assert memory.pinned_blocks >= 32 and memory.k.is_pinned() and memory.v.is_pinned()
+    memory.ensure(64)
+    assert memory.bytes_pinned == memory.capacity_bytes
+    memory.release()
+    assert memory.bytes_pinned == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moves_ring_and_gather_over_registered_memory(dtype):
+    """Blocks spilled into a late chunk (the copy waits for its pinning), loaded back, read
+    through the ring and gathered by the UVA kernel: all equal the GPU blocks they came from."""
+    layers, blocks, shape = 3, 24, (256, 2, 64)
+    tier = HostTier(layers, shape[0], shape[1], shape[2], dtype, DEVICE, blocks, 2, chunk_bytes=1 << 20)
+    gpu = torch.randn(2, layers, 8, *shape, device=DEVICE).to(dtype)
+    moves = [BlockMove(g, h, True) for g, h in ((1, 0), (2, 5), (3, 23))]
+    tier.move(moves, gpu[0], gpu[1])
+    torch.cuda.synchronize()
+    assert tier.memory.pinned_blocks == blocks
+    for g, h, _ in moves:
+        assert torch.equal(tier.k_host[:, h], gpu[0, :, g].cpu()) and torch.equal(tier.v_host[:, h], gpu[1, :, g].cpu())
+    back = gpu.clone()
+    tier.move([BlockMove(6, 23, False)], back[0], back[1])
+    torch.cuda.synchronize()
+    assert torch.equal(back[:, :, 6], gpu[:, :, 3])
+    tier.load(0, 2, 5)
+    k, v = tier.wait(0)
+    assert torch.equal(k, gpu[0, 2, 2]) and torch.equal(v, gpu[1, 2, 2])
+    rows = torch.zeros(2, 4, *shape, device=DEVICE, dtype=dtype)
+    ref = rows.clone()
+    src, dst = torch.tensor([23, -1, 0, 5], device=DEVICE), torch.tensor([0, 1, 2, 3], device=DEVICE)
+    gather_host_blocks(tier.k_host[1], tier.v_host[1], src, rows[0], rows[1], dst)
+    gather_host_blocks_ref(tier.k_host[1], tier.v_host[1], src, ref[0], ref[1], dst)
+    torch.cuda.synchronize()
+    assert torch.equal(rows, ref) and torch.equal(rows[0, 0], gpu[0, 1, 3])
+    tier.free_memory()
+    assert tier.memory.bytes_pinned == 0
+
+
+def test_async_scheduling_with_the_host_tier_equals_the_synchronous_loop():
+    """Qwen2.5-0.5B shape (random weights, bf16), GPU tier 8 x 256-token blocks: prefill and
+    decode spill, a second round writes back and loads back; async scheduling is on by default with
+    the host tier, schedules steps with moves ahead, and gives the synchronous loop's tokens and
+    block counts."""
+    import gc
+
+    from nanovllm import LLM, SamplingParams
+    from tools.random_checkpoint import cached_random_checkpoint
+
+    model = cached_random_checkpoint("qwen2.5-0.5b")
+    prompts = [torch.randint(1, 30000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (230, 700, 1500)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    results = []
+    for flag in (None, False):
+        with LLM(model, max_model_len=2048, max_num_seqs=8, num_kvcache_blocks=8, enable_cpu_offload=True,
+                 num_cpu_kvcache_blocks=64, num_ring_slots=2, async_scheduling=flag) as llm:
+            assert llm.config.async_scheduling is (flag is None)
+            moved_ahead, run = [0], llm.model_runner.run
+
+            def counting_run(seqs, is_prefill, generators=None, moves=(), input_ids=None):
+                moved_ahead[0] += input_ids is not None and bool(moves)
+                return run(seqs, is_prefill, generators, moves, input_ids)
+
+            llm.model_runner.run = counting_run
+            tokens = [[o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
+            stats = {k: v for k, v in llm.get_kv_cache_stats().items() if k != "host_bytes_pinned"}
+            assert 0 < llm.get_kv_cache_stats()["host_bytes_pinned"] <= llm.model_runner.cache.host.memory.capacity_bytes
+            results.append((tokens, stats, moved_ahead[0]))
+        gc.collect()
+    (tokens, stats, ahead), (ref_tokens, ref_stats, _) = results
+    assert tokens == ref_tokens and stats == ref_stats
+    assert ahead > 0 and stats["spilled_blocks"] > 0 and stats["evicted_blocks"] > 0, (ahead, stats)

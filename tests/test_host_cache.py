@@ -1,0 +1,229 @@
+"""The host tier as a second-level prefix cache, and its memory pinned on demand (CPU, float32).
+
+A freed, registered GPU block about to be reused is written back to the host tier and stays
+registered there; a later hit reads it from the host or loads it back to the GPU tier. Outputs
+never change; block counts return to their starting values; host memory is pinned in chunks as
+blocks are used (on CPU the same bookkeeping runs with nothing pinned).
+"""
+import mmap
+
+import pytest
+
+from _util import build_llm, greedy, random_prompt
+from nanovllm.kvcache import host_memory
+from nanovllm.kvcache.block_manager import BlockManager, compute_block_hash
+from nanovllm.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BLOCK = 256
+HOST = dict(enable_cpu_offload=True, num_cpu_kvcache_blocks=64, num_ring_slots=3)
+
+
+def _assert_nothing_held(llm):
+    stats = llm.get_kv_cache_stats()
+    assert stats["gpu_blocks_used"] == stats["host_blocks_used"] == 0, stats
+    assert llm.scheduler.block_manager.num_free_blocks == stats["gpu_blocks"] + stats["host_blocks"]
+
+
+def _block_hashes(tokens: list[int]) -> list[int]:
+    hashes, h = [], -1
+    for i in range(len(tokens) // BLOCK):
+        h = compute_block_hash(tokens[i * BLOCK:(i + 1) * BLOCK], h)
+        hashes.append(h)
+    return hashes
+
+
+# ---------------------------------------------------------------- the engine
+def test_repeated_prompt_after_other_traffic_hits_the_host_tier(llama3_dir):
+    """The issue's case: GPU tier 8 x 256-token blocks, a 3,000-token prompt, four other prompts
+    that take every GPU block (so every block of the first prompt, its first block included, left
+    the GPU tier), then the first prompt again: 11 full blocks (2,816 tokens) found on the host,
+    the same tokens as the first time and as a GPU-only engine."""
+    first = random_prompt(3000, seed=501)
+    others = [random_prompt(n, seed=502 + n) for n in (2100, 2300, 1900, 2500)]
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=8, **HOST) as llm:
+        start = llm.get_kv_cache_stats()
+        out1 = llm.generate([first], greedy(16), use_tqdm=False)[0]
+        _assert_nothing_held(llm)
+        for prompt in others:
+            llm.generate([prompt], greedy(4), use_tqdm=False)
+            _assert_nothing_held(llm)
+        index = llm.scheduler.block_manager.index
+        tiers = [index[h].tier for h in _block_hashes(first)]
+        assert tiers == ["host"] * 11, "every full block of the first prompt, its first included, is on the host"
+        stats = llm.get_kv_cache_stats()
+        assert stats["evicted_blocks"] > 0 and stats["host_bytes_pinned"] > 0, stats
+        out2 = llm.generate([first], greedy(16), use_tqdm=False)[0]
+        assert out2["num_cached_tokens"] >= 2816
+        assert out2["token_ids"] == out1["token_ids"]
+        _assert_nothing_held(llm)
+        end = llm.get_kv_cache_stats()
+        assert (end["gpu_blocks_used"], end["host_blocks_used"]) == (start["gpu_blocks_used"], start["host_blocks_used"])
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=64) as ref:
+        assert ref.generate([first], greedy(16), use_tqdm=False)[0]["token_ids"] == out1["token_ids"]
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=13) as gpu_only:  # no host tier: recomputed
+        gpu_only.generate([first], greedy(4), use_tqdm=False)
+        for prompt in others:
+            gpu_only.generate([prompt], greedy(4), use_tqdm=False)
+        assert gpu_only.generate([first], greedy(4), use_tqdm=False)[0]["num_cached_tokens"] == 0
+
+
+def test_pinned_bytes_grow_with_use_and_are_released(llama3_dir, monkeypatch):
+    """Chunks of one block: the host tier's capacity is 64 blocks, but only the chunks its blocks
+    reached are pinned (one ahead), reported by ``host_bytes_pinned``; shutdown unpins them."""
+    monkeypatch.setattr(host_memory, "PIN_CHUNK_BYTES", 0)  # one block per chunk
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=8, **HOST) as llm:
+        memory = llm.model_runner.cache.host.memory
+        assert memory.chunk_blocks == 1 and memory.capacity_bytes >= 64 * 2 * memory.num_layers * memory.block_bytes
+        llm.generate([random_prompt(3000, seed=510)], greedy(4), use_tqdm=False)
+        used = 1 + max(i for i, b in enumerate(llm.scheduler.block_manager.host.blocks) if b.hash != -1)
+        memory.ensure(used)
+        pinned = llm.get_kv_cache_stats()["host_bytes_pinned"]
+        assert 0 < pinned < memory.capacity_bytes
+        assert memory.pinned_blocks >= used
+    assert memory.bytes_pinned == 0, "released at shutdown"
+
+
+# ---------------------------------------------------------------- block manager, unit level
+def _seq(tokens):
+    return Sequence(tokens, SamplingParams(temperature=0.0), BLOCK)
+
+
+def _prefill(bm, seq):
+    bm.allocate(seq)
+    while seq.num_computed_tokens < len(seq):
+        n = bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens)
+        assert n > 0
+        seq.num_computed_tokens += n
+        bm.commit(seq)
+
+
+def test_a_reused_registered_gpu_block_is_written_back_and_hit_on_the_host():
+    bm = BlockManager(4, BLOCK, num_host_blocks=8)
+    a = _seq(random_prompt(3 * BLOCK, seed=520))
+    _prefill(bm, a)
+    a_gpu = list(a.block_table)
+    bm.deallocate(a)
+    assert bm.take_moves() == []
+    b = _seq(random_prompt(4 * BLOCK - 10, seed=521))
+    _prefill(bm, b)
+    moves = bm.take_moves()
+    assert [m.gpu for m in moves] == a_gpu[::-1] and all(m.to_host for m in moves), "a's tail first (freed first)"
+    assert [bm.index[h].tier for h in _block_hashes(a.token_ids)] == ["host"] * 3
+    assert bm.usage()["evicted_blocks"] == 3 and bm.usage()["spilled_blocks"] == 0
+    assert bm.num_free_blocks == 12 - 4
+    bm.deallocate(b)
+    again = _seq(a.token_ids + [7])
+    assert bm.can_allocate(again)
+    bm.allocate(again)
+    assert again.num_cached_tokens == 3 * BLOCK
+    loads = [m for m in bm.take_moves() if not m.to_host]
+    assert len(loads) == 3, "hits loaded back (the GPU tier has room)"
+    assert again.block_table[0] != -1, "the first block is on the GPU again"
+    assert [m.gpu for m in loads] == [g for g in again.block_table[:len(loads)]]
+    bm.deallocate(again)
+    assert bm.num_free_blocks == 12
+
+
+def test_loaded_back_blocks_keep_their_host_copy():
+    """A loaded-back block spills and is written back again without a copy."""
+    bm = BlockManager(4, BLOCK, num_host_blocks=8)
+    a = _seq(random_prompt(2 * BLOCK, seed=530))
+    _prefill(bm, a)
+    bm.deallocate(a)
+    filler = _seq(random_prompt(4 * BLOCK, seed=531))
+    _prefill(bm, filler)  # writes a's two blocks back
+    bm.deallocate(filler)
+    bm.take_moves()
+    again = _seq(a.token_ids + [5] * 3)
+    bm.allocate(again)
+    assert sum(not m.to_host for m in bm.take_moves()) == 2
+    block = bm.gpu.blocks[again.block_table[1]]
+    assert block.copy is not None and block.copy.tier == "host"
+    host_id = block.copy.block_id
+    bm.placement.add(again.block_table[1], 1)
+    assert bm.tiers.spill_coldest()
+    assert bm.take_moves() == [], "spilled onto its host copy"
+    assert again.host_block_table[1] == host_id
+    bm.deallocate(again)
+    assert bm.num_free_blocks == 12
+
+
+def test_write_backs_drop_the_coldest_free_host_entries_never_a_live_block():
+    bm = BlockManager(4, BLOCK, num_host_blocks=2)
+    live = _seq(random_prompt(2 * BLOCK + 5, seed=540))
+    _prefill(bm, live)
+    bm.placement.add(live.block_table[1], 1)
+    assert bm.tiers.spill_coldest()  # live block 1 on the host: host tier 1 free block
+    bm.take_moves()
+    a = _seq(random_prompt(BLOCK, seed=541))
+    _prefill(bm, a)
+    bm.deallocate(a)
+    b = _seq(random_prompt(BLOCK, seed=542))
+    _prefill(bm, b)
+    bm.deallocate(b)
+    big = _seq(random_prompt(2 * BLOCK, seed=543))  # takes a's and b's free GPU blocks
+    bm.allocate(big)
+    bm.ensure_writable(big, 2 * BLOCK)
+    moves = bm.take_moves()
+    assert len(moves) == 2 and all(m.to_host for m in moves) and moves[0].host == moves[1].host
+    (a_hash,), (b_hash,) = _block_hashes(a.token_ids), _block_hashes(b.token_ids)
+    assert a_hash not in bm.index, "the colder write-back was dropped for the newer one"
+    assert bm.index[b_hash].tier == "host"
+    assert bm.host.blocks[live.host_block_table[1]].ref_count == 1, "the live block stayed"
+
+
+# ---------------------------------------------------------------- host memory, unit level
+@pytest.mark.parametrize("block_shape", [(256, 2, 32), (3, 5, 7)], ids=["page-multiple", "odd"])
+def test_chunk_ranges_tile_the_mapping_and_cover_their_blocks(block_shape):
+    import torch
+
+    memory = host_memory.HostMemory(3, 10, block_shape, torch.float32, torch.device("cpu"), chunk_bytes=1)
+    memory.chunk_blocks, memory.num_chunks = 3, 4
+    ranges = [memory.chunk_ranges(c) for c in range(memory.num_chunks)]
+    flat = sorted(r for chunk in ranges for r in chunk)
+    assert all(a % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for a, n in flat)
+    assert all(a + n <= b for (a, n), (b, _) in zip(flat, flat[1:])), "no overlap"
+    assert sum(n for _, n in flat) == memory.capacity_bytes, "the whole mapping"
+    for c in range(memory.num_chunks):
+        covered = sorted(r for chunk in ranges[:c + 1] for r in chunk)
+        for b in range(3 * c, min(3 * c + 3, 10)):
+            for t in (memory.k, memory.v):
+                for layer in range(3):
+                    start = t[layer, b].data_ptr()
+                    end = start + memory.block_bytes
+                    assert any(a <= start and end <= a + n for a, n in _merged(covered)), (c, b, layer)
+    memory.start()
+    memory.ensure(10)
+    assert memory.pinned_blocks == 10 and memory.bytes_pinned == memory.capacity_bytes
+    memory.release()
+    assert memory.bytes_pinned == 0
+
+
+def _merged(ranges):
+    out = []
+    for a, n in ranges:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((a, n))
+    return out
+
+
+def test_prefix_reuse_benchmark_on_cpu(llama3_dir, capsys):
+    """benchmarks/prefix_reuse.py with tiny sizes: the host tier finds every document again in the
+    second round (recomputed without it), with the same tokens; it prints its JSON report."""
+    import json
+
+    from benchmarks.prefix_reuse import main
+
+    report = main(["--model", llama3_dir, "--device", "cpu", "--dtype", "float32", "--enforce-eager",
+                   "--num-docs", "4", "--doc-len", "512", "--gpu-docs", "2", "--num-rounds", "2",
+                   "--question-len", "16", "--max-tokens", "4"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    assert report["tokens_identical"]
+    host, recompute = report["host"], report["recompute"]
+    assert [r["cached_tokens_mean"] for r in host["rounds"]] == [0, 512]
+    assert recompute["rounds"][1]["cached_tokens_mean"] < 512
+    assert host["kv_cache"]["evicted_blocks"] > 0 and host["kv_cache"]["gpu_blocks_used"] == 0
+    assert report["ttft_speedup_rounds_2_on"] > 0
