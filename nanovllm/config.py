@@ -334,8 +334,7 @@ class Config:
                                  f"{self.sparse_token_budget} both set the budget; give sparse_token_budget only")
             self.sparse_token_budget = self.sparse_topk_blocks * self.kvcache_block_size
             self.sparse_topk_blocks = None
-        for policy in registered_policies():  # every policy checks its own options
-            policy.check_options(self)
+        policy_class(self.sparse_policy).check_options(self)  # another policy's options must keep their defaults:
         self._check_unused_sparse_options()
         if self.num_reuse_cache_blocks != -1:
             check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)

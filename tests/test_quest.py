@@ -110,12 +110,32 @@ def test_metadata_follows_a_block_from_the_gpu_tier_to_the_host_tier():
     policy = _policy()
     policy.allocate(2, 64, 2, 8, torch.float32, torch.device("cpu"), 3, 4)
     k_cache = torch.randn(2, 3, 64, 2, 8)
-    policy.on_blocks_full(k_cache, torch.tensor([1]))
+    policy.on_pages_full(k_cache, torch.tensor([1]))
     pages = k_cache[:, 1].view(2, 4, 16, 2, 8)
     assert torch.equal(policy.kmin[:, 1], pages.amin(2)) and torch.equal(policy.kmax[:, 1], pages.amax(2))
     policy.on_spill(torch.tensor([1]), torch.tensor([2]))
     assert torch.equal(policy.kmax[:, 3 + 2], policy.kmax[:, 1]), "host block 2 is metadata slot 3 + 2"
     assert policy.metadata_bytes_per_block(2, 64, 2, 8, torch.float32) == 2 * 2 * 4 * 2 * 8 * 4
+
+
+def test_page_bounds_are_current_once_each_page_is_full(qwen3_dir):
+    """The bounds of a page are computed after the step that fills it, not when its block fills:
+    mid-block, every full page of the block being written has its keys' min and max (a candidate
+    there with stale bounds would be scored from another sequence's keys)."""
+    with build_llm(qwen3_dir, sparse_policy="QUEST", sparse_token_budget=64, sparse_sink_tokens=16,
+                   sparse_recent_tokens=16) as llm:
+        llm.add_request(random_prompt(300, seed=8), greedy(4))
+        for _ in range(3):
+            llm.step()
+        seq = llm.scheduler.running[0]
+        cache = llm.model_runner.cache
+        block = seq.block_table[1]  # tokens 256..511: 300 + 2 written, so pages 0 and 1 are full
+        pages = cache.kv[0][:, block].unflatten(1, (-1, 16))  # [L, pages, 16, Hkv, D]
+        for page in range(2):
+            assert torch.equal(cache.policy.kmin[:, block, page], pages[:, page].amin(1))
+            assert torch.equal(cache.policy.kmax[:, block, page], pages[:, page].amax(1))
+        while not llm.is_finished():
+            llm.step()
 
 
 def test_a_sequence_selects_only_with_more_candidates_than_its_budget():

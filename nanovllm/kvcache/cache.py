@@ -79,7 +79,7 @@ class KVCache:
         self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
-        self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
+        self._completed: list[int] = []  # GPU blocks with a page filled by the step (the policy's metadata)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
@@ -225,19 +225,21 @@ class KVCache:
                 sample_idx)
 
     def finish_step(self):
-        """After the forward: the policy's metadata of the blocks the step filled."""
+        """After the forward: the policy's metadata of the blocks whose pages the step filled."""
         reset_context()
         if self._completed:
-            self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
+            self.policy.on_pages_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
             self._completed = []
 
     def _note_filled(self, seq: Sequence, start: int, end: int):
-        """Positions ``start .. end - 1`` of ``seq`` are written this step: the GPU blocks they fill
-        get the policy's metadata after the step."""
+        """Positions ``start .. end - 1`` of ``seq`` are written this step: the GPU blocks whose
+        pages (``policy.page_size`` tokens, the block without one) they fill get the policy's
+        metadata after the step."""
         if self.policy.needs_block_metadata:
             block_size = self.geometry.block_size
-            self._completed += [seq.block_table[j] for j in range(start // block_size, end // block_size)
-                                if seq.block_table[j] != NO_BLOCK]
+            page = self.policy.page_size or block_size
+            blocks = dict.fromkeys(p * page // block_size for p in range(start // page, end // page))
+            self._completed += [seq.block_table[j] for j in blocks if seq.block_table[j] != NO_BLOCK]
 
     @property
     def counts_decode_reads(self) -> bool:

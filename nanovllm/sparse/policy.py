@@ -15,7 +15,7 @@ The attention pipeline (``nanovllm/kvcache/tiered_attention.py``) asks the engin
   :attr:`~SparsePolicy.dense_layers` layers, reads everything.
 
 Policies keep per-page metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
-once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full,
+once the tiers are sized, :meth:`~SparsePolicy.on_pages_full` when pages of GPU blocks become full,
 :meth:`~SparsePolicy.on_spill` when blocks are copied to the host tier and
 :meth:`~SparsePolicy.on_load` when they are copied back. Metadata of both tiers is indexed by
 *metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block ``h`` is slot
@@ -111,7 +111,7 @@ class SparsePolicy:
     """Decode reads a choice of pages per KV head (:meth:`select_decode_pages`); the attributes
     below describe it."""
     needs_block_metadata = False
-    """The cache calls :meth:`on_blocks_full` and :meth:`on_spill`."""
+    """The cache calls :meth:`on_pages_full`, :meth:`on_spill` and :meth:`on_load`."""
     page_size = 0
     """Tokens per page of a choosing policy (a divisor of the KV block size)."""
     sink_pages = recent_pages = budget_pages = dense_layers = 0
@@ -156,9 +156,12 @@ class SparsePolicy:
                  device: torch.device, num_gpu_blocks: int, num_host_blocks: int) -> None:
         """Called once the tiers are sized: allocate per-block metadata here."""
 
-    def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
-        """GPU blocks ``gpu_ids`` (int64 ``[n]``) became full: their keys of every layer are
-        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv, D]``)."""
+    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        """Pages (:attr:`page_size` tokens; the whole block when 0) of GPU blocks ``gpu_ids``
+        (int64 ``[n]``) became full this step: the blocks' keys of every layer are
+        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv,
+        D]``). Metadata of a block's pages not yet full is never read (the page being written is
+        always read whole, ``fixed_pages``)."""
 
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
         """Full blocks copied from the GPU tier (``gpu_ids``) to the host tier (``host_ids``): a

@@ -4,13 +4,12 @@ Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
 Per page of ``page_size`` tokens (the paper's 16) of every full block and layer, the policy keeps
 the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device), for
 the blocks of both tiers (indexed by metadata page, see ``policy.py``): computed from the GPU cache
-when a block becomes full, copied along when the block is spilled to the host tier and back
-when it is loaded into the GPU tier. Per layer,
-every KV head scores its candidate pages from its query heads' upper bounds of ``q . k`` (each
-head's bounds as a softmax over the candidates, combined over the GQA group by ``group_score``:
-"max" or "sum"; ``nanovllm.ops.quest_scores``) and reads its ``budget_pages`` best, besides the
-sink, recent and current pages every sequence reads (``choosing.py``). Each rank of a
-tensor-parallel engine chooses for its own KV heads, so no scores are exchanged. Prefill is dense.
+when a page becomes full, copied along when the block is spilled to the host tier and back
+when it is loaded into the GPU tier. Per layer, every KV head scores its candidate pages from its
+query heads' upper bounds of ``q . k`` (each head's bounds as a softmax over the candidates,
+combined over the GQA group by ``group_score``: "max" or "sum"; ``nanovllm.ops.quest_scores``)
+and reads its ``budget_pages`` best, besides the sink, recent and current pages every sequence
+reads (``choosing.py``). Each rank of a tensor-parallel engine chooses for its own KV heads, so no scores are exchanged. Prefill is dense.
 """
 import math
 
@@ -74,7 +73,7 @@ class QuestPolicy(ChoosingPolicy):
         self.kmin, self.kmax = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.num_gpu_blocks = num_gpu_blocks
 
-    def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
         keys = k_cache[:, gpu_ids]  # [L, n, B, Hkv, D]
         pages = keys.view(*keys.shape[:2], -1, self.page_size, *keys.shape[3:])
         self.kmin[:, gpu_ids] = pages.amin(3)
