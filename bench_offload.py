@@ -1,4 +1,4 @@
-"""Long sequences with the host tier of the KV cache and without (GPU-only); prints JSON.
+r"""Long sequences with the host tier of the KV cache and without (GPU-only); prints JSON.
 
     python bench_offload.py --input-len 130000 --block-size 4096                # one sequence, default budgets
     python bench_offload.py --input-len 32768 --num-seqs 8 --num-kvcache-blocks 32   # GPU tier: half the KV
@@ -8,8 +8,10 @@
     python bench_offload.py --shape qwen2.5-0.5b --input-len 8192 --num-seqs 32 --block-size 256 \
         --num-kvcache-blocks 264 --modes gpu,tiered          # a small model, GPU tier at 1/4 of the KV
     python bench_offload.py --input-len 130000 --decode-tokens 16 --num-kvcache-blocks 2 \
-        --modes tiered-full,tiered-noreuse,tiered --sparse-policy QUEST --sparse-topk-blocks 4 \
-        --sparse-threshold-blocks 4                        # QUEST with and without reuse vs FULL
+        --modes tiered-full,tiered-noreuse,tiered --sparse-policy QUEST --sparse-page-size 16 \
+        --sparse-token-budget 2048                         # QUEST with and without reuse vs FULL
+    python bench_offload.py --input-len 130000 --num-kvcache-blocks 2 --modes tiered-full,tiered \
+        --sparse-policy STREAMING --sparse-recent-tokens 4096   # sinks and a recent window only
 
 Default model: a random-weight checkpoint of ``--shape`` (a key of ``tools.random_checkpoint.SHAPES``:
 Llama-3.1-8B by default; Llama-3-8B with a 1,048,576-token context and Gradient AI's rope_theta;
@@ -17,10 +19,15 @@ GLM-4-9B-chat-1m; Phi-3-mini-128k; Qwen2.5-0.5B, 12 KiB of KV per token in bf16;
 created once under $NANOVLLM_CACHE.
 Decode is timed from the second decode step on (the first places every sequence's next block and
 compiles the decode kernels). Modes: ``gpu`` (host tier off), ``tiered``
-(``enable_cpu_offload=True``, ``--sparse-policy``, ``--num-reuse-cache-blocks``),
-``tiered-noreuse`` (the same without QUEST's reuse cache) and ``tiered-full`` (the host tier with
-the FULL policy: the baseline of ``decode_over_tiered_full``, the decode speed of each other
-tiered mode over it). Reported per mode: TTFT of the batch (every sequence has its first token),
+(``enable_cpu_offload=True``, ``--sparse-policy`` with its ``--sparse-*`` options,
+``--num-reuse-cache-blocks``), ``tiered-noreuse`` (the same without the reuse cache of a policy
+that chooses decode pages) and ``tiered-full`` (the host tier with the FULL policy: the baseline of
+``decode_over_tiered_full``, the decode speed of each other tiered mode over it). The sparse
+options: ``--sparse-page-size`` (16, 32, 64), ``--sparse-token-budget`` (QUEST's tokens per KV head
+and step), ``--sparse-sink-tokens``, ``--sparse-recent-tokens``, ``--sparse-dense-layers``,
+``--sparse-group-score`` (QUEST: max or sum), ``--sparse-threshold`` (XATTN_BSA); each left
+unset takes the engine's default. ``--sparse-topk-blocks`` is the engine's deprecated alias
+(budget = it x ``--block-size``). Reported per mode: TTFT of the batch (every sequence has its first token),
 prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
 decode step, which places every sequence's next block), bytes moved each way, the host bytes read
 per decode step, the longest decode step (the host's step call), the host memory pinned and the
@@ -31,7 +38,10 @@ CUDA decode as a fraction of its bound:
                          host bytes read per decode step / pinned bandwidth)
 
 with both bandwidths measured here. FULL reads every host-resident block each step (the bound of
-host-resident KV); QUEST only its picks not found in the reuse cache. A mode the engine refuses
+host-resident KV); a policy that chooses decode pages (QUEST, STREAMING) only the (page, KV head)
+pairs it reads from the host and does not find in the reuse cache (host bytes counted as the host
+tier counts them, gathers included). The GPU side assumes every GPU-resident block is read, an
+upper bound for a choosing policy. A mode the engine refuses
 (e.g. GPU-only at 1M tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of
 every mode.
 """
@@ -44,6 +54,7 @@ import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
+from nanovllm.sparse import policy_class, policy_names
 from tools.random_checkpoint import SHAPES, cached_random_checkpoint
 
 def sync():
@@ -52,21 +63,24 @@ def sync():
 
 
 MODES = ("gpu", "tiered", "tiered-noreuse", "tiered-full")
+SPARSE_OPTIONS = ("sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
+                  "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks", "sparse_threshold")
+"""Engine options of the ``--sparse-*`` arguments, passed when given (None: the engine's default)."""
 
 
 def _engine_kwargs(args, mode: str) -> dict:
     policy = "FULL" if mode == "tiered-full" else args.sparse_policy
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
                   max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
-                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy,
-                  sparse_topk_blocks=args.sparse_topk_blocks, sparse_threshold_blocks=args.sparse_threshold_blocks,
-                  sparse_threshold=args.sparse_threshold)
+                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy)
+    kwargs.update({name: getattr(args, name) for name in SPARSE_OPTIONS if getattr(args, name) is not None})
     if args.num_kvcache_blocks is not None:
         kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks
     if mode != "gpu":
         kwargs.update(enable_cpu_offload=True, num_ring_slots=args.num_ring_slots,
                       num_cpu_kvcache_blocks=args.num_cpu_kvcache_blocks)
-    if mode == "tiered" and policy == "QUEST":
+    chooses = policy_class(policy).chooses_decode_pages
+    if mode == "tiered" and chooses:
         kwargs["num_reuse_cache_blocks"] = args.num_reuse_cache_blocks
     elif mode == "tiered-noreuse":
         kwargs["num_reuse_cache_blocks"] = 0
@@ -102,9 +116,10 @@ def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_se
 
 
 def _host_bytes_read(llm) -> int:
-    """Bytes copied from the host tier to the GPU so far (0 without a host tier)."""
+    """Bytes read from the host tier to the GPU so far, ring copies and page gathers (0 without a
+    host tier; syncs with the device)."""
     host = llm.model_runner.cache.host
-    return host.bytes_h2d if host is not None else 0
+    return host.loaded_bytes() if host is not None else 0
 
 
 def _pin_waits(llm) -> dict:
@@ -116,12 +131,18 @@ def _pin_waits(llm) -> dict:
 
 
 def _sparse_stats(llm) -> dict:
-    """Both phases' statistics without the per-layer rows, and decode's reuse rate per layer."""
+    """Both phases' statistics without the per-layer rows (decode: ``read_tokens`` /
+    ``context_tokens`` per KV head, ``loaded_host_bytes`` / ``available_host_bytes``,
+    ``reused_host_pages`` / ``read_host_pages``), decode's density and reuse rate per layer, and
+    the policy's options as the engine runs them."""
     stats = llm.get_sparse_stats()
     out = {phase: {k: v for k, v in stats[phase].items() if k != "per_layer"} for phase in ("prefill", "decode")}
-    rates = [row["reuse_rate"] for row in stats["decode"]["per_layer"]]
-    if any(rate is not None for rate in rates):
-        out["decode"]["reuse_rate_per_layer"] = [None if r is None else round(r, 3) for r in rates]
+    for key in ("density", "reuse_rate"):
+        values = [row.get(key) for row in stats["decode"]["per_layer"]]
+        if any(value is not None for value in values) and len(set(values)) > 1:
+            out["decode"][f"{key}_per_layer"] = [None if v is None else round(v, 3) for v in values]
+    cfg = llm.config
+    out["options"] = {name: getattr(cfg, name) for name in policy_class(cfg.sparse_policy).options}
     return out
 
 
@@ -145,6 +166,7 @@ def _measure(llm, args, bw: dict) -> dict:
     llm.generate([list(range(1, 257))], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     llm.reset_sparse_stats()
     before = llm.get_kv_cache_stats()
+    host_bytes_before = _host_bytes_read(llm)
     for prompt in _prompts(args, llm.config.hf_config.vocab_size):
         llm.add_request(prompt, params)
     sync()
@@ -169,7 +191,7 @@ def _measure(llm, args, bw: dict) -> dict:
     result = {"ttft_s": round(ttft, 3), "prefill_tok_per_s": round(args.num_seqs * args.input_len / ttft, 1),
               "decode_tok_per_s": round(args.num_seqs * steps / decode_s, 2),
               "tpot_ms": round(decode_s / steps * 1e3, 3), "tiers_at_decode": at_decode,
-              "bytes_h2d": (after["loaded_blocks"] - before["loaded_blocks"]) * block_bytes,
+              "bytes_h2d": _host_bytes_read(llm) - host_bytes_before,
               "bytes_d2h": (after["spilled_blocks"] - before["spilled_blocks"]) * block_bytes,
               "host_bytes_per_decode_step": round(host_bytes_per_step),
               "host_resident_bytes_at_decode": at_decode["host_blocks_used"] * block_bytes,
@@ -181,7 +203,7 @@ def _measure(llm, args, bw: dict) -> dict:
         bound = _decode_bound(llm, at_decode, host_bytes_per_step, bw, args.num_seqs)
         result.update(decode_bound_tok_per_s=round(bound, 2),
                       decode_fraction_of_bound=round(result["decode_tok_per_s"] / bound, 3))
-    if llm.config.sparse_policy.value != "FULL":
+    if llm.config.sparse_policy != "FULL":
         result["sparse_stats"] = _sparse_stats(llm)
     return result
 
@@ -199,12 +221,22 @@ def main():
                         help="host tier blocks (-1: sized by the engine)")
     parser.add_argument("--num-ring-slots", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
-    parser.add_argument("--sparse-policy", default="FULL", choices=("FULL", "QUEST", "XATTN_BSA"))
-    parser.add_argument("--sparse-threshold", type=float, default=0.97)
-    parser.add_argument("--sparse-topk-blocks", type=int, default=16)
-    parser.add_argument("--sparse-threshold-blocks", type=int, default=4)
+    parser.add_argument("--sparse-policy", default="FULL", type=str.upper, choices=policy_names())
+    parser.add_argument("--sparse-page-size", type=int, choices=(16, 32, 64),
+                        help="QUEST / STREAMING: tokens per page, chosen per KV head (engine default 16)")
+    parser.add_argument("--sparse-token-budget", type=int,
+                        help="QUEST: tokens each KV head picks per decode step (engine default 2048)")
+    parser.add_argument("--sparse-sink-tokens", type=int, help="QUEST / STREAMING: always-read first tokens (16)")
+    parser.add_argument("--sparse-recent-tokens", type=int, help="QUEST / STREAMING: always-read last tokens (256)")
+    parser.add_argument("--sparse-dense-layers", type=int, help="QUEST / STREAMING: first layers read whole (0)")
+    parser.add_argument("--sparse-group-score", choices=("max", "sum"),
+                        help="QUEST: how a KV head combines its query heads' page shares (max)")
+    parser.add_argument("--sparse-topk-blocks", type=int,
+                        help="deprecated: --sparse-token-budget = this x --block-size (the engine warns)")
+    parser.add_argument("--sparse-threshold", type=float, help="XATTN_BSA: attention mass kept (0.97)")
     parser.add_argument("--num-reuse-cache-blocks", type=int, default=-1,
-                        help="QUEST's reuse cache in mode tiered (-1: the engine's default, 2 x sparse-topk-blocks)")
+                        help="QUEST / STREAMING reuse cache in mode tiered (-1: the engine's default, 2 cells per "
+                             "picked page and KV head)")
     parser.add_argument("--modes", default="gpu,tiered", help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")

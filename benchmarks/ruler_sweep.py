@@ -1,33 +1,65 @@
-"""RULER over sequence lengths and engine settings: one JSON line per (setting, length).
+"""RULER over sequence lengths and sparse-decode settings, each paired with FULL on the same
+samples: one JSON line per (setting, length), then the tables.
 
-For every setting (--settings) at every length (--lengths: RULER's sequence length, prompt plus
-answer; prompts have LENGTH - 128 tokens), the evaluation of tests/test_ruler.py runs: one greedy
-generate per task with all of its samples batched, scored with RULER's metric. Each (setting,
-length) appends one JSON line to --out: every task's mean score, the average over tasks, the
-sparse densities (LLM.get_sparse_stats) and the generate time. A setting that fails is recorded
-with its error and the sweep goes on; --table prints the lines as a Markdown table.
+For every setting at every length (--lengths: RULER's sequence length, prompt plus answer;
+prompts have LENGTH - 128 tokens) the evaluation of tests/test_ruler.py runs: one greedy generate
+per task with all of its samples batched (--num-samples, 20 by default), scored with RULER's
+metric. Every setting reads the same samples: they are built once per length (or loaded with
+--samples) and each line records a digest of every task's samples, which the pairing checks. Each
+(setting, length) appends one JSON line to --out: every task's per-sample scores and mean, the
+average over tasks, the engine's policy options, the sparse densities (LLM.get_sparse_stats)
+and the generate time. A setting that fails is recorded with its error and the sweep goes on.
+At the end (or with --table) the lines are printed as two Markdown tables: per-task and average
+scores with the paired difference of the average against FULL (same length, same samples) and
+its standard error, then the paired difference of every task.
 
-Settings: full-gpu (FULL, no host tier); full-host-2 / full-host-4 (FULL with the host tier
-holding all but each sequence's first block and the block it writes, 2 or 4 ring slots, prompts
-of 4 full blocks); quest-k4 / quest-k8 (QUEST over the host tier, 32 blocks per sequence, top-k 4
-or 8, with a reuse cache); quest-k2-gpu ... quest-k12-gpu (QUEST at top-k 2, 4, 6, 8, 12
-with the same blocks and no host tier: the same picks, since the scores do not depend on the tier,
-without the host tier's decode cost, for the trade-off curve); quest-k6-b256-gpu ...
-quest-k24-b256-gpu (the same with 256-token blocks, 128 per 32K prompt); xattn-0.9 / xattn-0.95 / xattn-0.97 (XATTN_BSA prefill at that
-threshold, no host tier).
+Paired difference: for task t with samples i, d_ti = score(setting)_ti - score(FULL)_ti; a
+task's difference is mean_i d_ti with standard error sd_i(d_ti) / sqrt(n_t); the average's is
+the mean over the T tasks, with standard error sqrt(sum_t se_t^2) / T (the tasks' samples are
+independent).
+
+Settings, by name:
+
+    full                              FULL, no host tier: the baseline of every pairing
+    quest-p{P}-b{B}-{max|sum}-d{D}    QUEST: pages of P tokens (16, 32, 64), a budget of B tokens
+                                      per KV head and step, group score max or sum, the first D
+                                      layers dense
+    streaming-p{P}-d{D}               STREAMING: sinks and the recent window only
+    ...-s{S}-r{R}                     (QUEST / STREAMING) S sink and R recent tokens instead of
+                                      --sink-tokens / --recent-tokens
+    ...-host                          (QUEST / STREAMING) over the host tier: 2 GPU-tier blocks per
+                                      sequence, the rest on the host, the reuse cache with the
+                                      engine's default cells per pick for each batched sequence
+    full-host-{N}                     FULL over the host tier with N ring slots, prompts of 4
+                                      blocks (the block size grows with the length)
+    xattn-{T}                         XATTN_BSA prefill at threshold T, no host tier
+
+Without --settings the grid names them: FULL, and for --policies (QUEST, STREAMING) the values
+of --page-sizes, --budgets, --group-scores and --dense-layers (STREAMING takes only the page
+size and the dense layers), over the host tier with --host-tier. --design oat (the default)
+varies one option at a time from the base, the first value of each list (by default p16, 2048
+tokens, max, 0 dense layers: 7 QUEST rows, 4 STREAMING rows); --design full crosses them all
+(36 QUEST rows, 6 STREAMING rows by default). --list prints the names and exits.
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
 (e.g. to carry them to a GPU machine):
 
     python -m benchmarks.ruler_sweep --make-samples samples.pt --model DIR --lengths 4096,32768
-    python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 4096,32768 \\
-        --settings full-gpu,xattn-0.9 --out ruler.jsonl
+    python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 4096,32768 --out ruler.jsonl
+    python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 32768 --design full \\
+        --page-sizes 16,32,64 --budgets 2048,1024,4096 --group-scores max,sum --dense-layers 0,2
+    python -m benchmarks.ruler_sweep --settings full,quest-p32-b1024-sum-d2-host,xattn-0.9 --model DIR
     python -m benchmarks.ruler_sweep --table ruler.jsonl
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import itertools
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,170 +67,405 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _eval_engine import DEFAULT_TOKEN_BUDGET, sparse_options  # noqa: E402
 from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
+from nanovllm.config import Config  # noqa: E402
 from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK  # noqa: E402
 from tools import ruler  # noqa: E402
 
-SETTINGS = {
-    "full-gpu": {},
-    "full-host-2": dict(enable_offload=True, num_ring_slots=2, blocks=4),
-    "full-host-4": dict(enable_offload=True, num_ring_slots=4, blocks=4),
-    "quest-k4": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=4),
-    "quest-k8": dict(enable_offload=True, num_ring_slots=4, blocks=31, sparse_policy="QUEST", sparse_topk_blocks=8),
-    **{f"quest-k{k}-gpu": dict(blocks=31, sparse_policy="QUEST", sparse_topk_blocks=k) for k in (2, 4, 6, 8, 12)},
-    **{f"quest-k{k}-b256-gpu": dict(block=256, sparse_policy="QUEST", sparse_topk_blocks=k) for k in (6, 8, 12, 16, 24)},
-    "xattn-0.9": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.9),
-    "xattn-0.95": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.95),
-    "xattn-0.97": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.97),
-}
-"""Name -> :class:`RulerSettings` fields (besides tasks, lengths and samples). ``blocks``: full KV
-blocks a prompt spans, so that the block size grows with the length (:func:`block_size`);
-``block``: a fixed block size in tokens. Decode over the host tier costs host time per block, sequence and layer
-(a load and a fold), so few blocks keep a small model's decode from being host-bound
-(docs/sparse.md): FULL's 4 (the first stays in the GPU tier, the next three, ~73% of the prompt,
-are read from the host, and the partial last block is the one written); QUEST's 31 (plus the
-partial last one: 32 blocks, so top-k 4 reads (4 + 3) / 32 = 22% of them). QUEST's reuse cache
-gets the engine's default rows per pick (``DEFAULT_ROWS_PER_PICK`` x top-k per layer) for each
-sequence batched (:func:`_settings`; one row per pick before session 9), so that the reuse rate
-measures how much consecutive steps' picks overlap, not the cache's size."""
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and
 answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
+BASELINE = "full"
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+DEFAULT_SINK_TOKENS, DEFAULT_RECENT_TOKENS = _ENGINE_DEFAULTS["sparse_sink_tokens"], _ENGINE_DEFAULTS["sparse_recent_tokens"]
+"""The engine's ``sparse_sink_tokens`` / ``sparse_recent_tokens`` defaults: a name gives its own
+only when they differ (``-s<S>-r<R>``)."""
+FULL_HOST_BLOCKS = 4
+"""``full-host-N``: full KV blocks a prompt spans (the first stays in the GPU tier, the next three
+are read from the host through the ring, the partial last one is the one written): decode over the
+ring costs host time per block, sequence and layer, so few blocks keep a small model's decode from
+being host-bound."""
+HOST_RING_SLOTS = 4
+"""Ring slots of the choosing policies' ``-host`` settings (their dense layers read through it)."""
+
+_CHOOSING = re.compile(r"(?P<policy>quest|streaming)-p(?P<page>\d+)(?:-b(?P<budget>\d+)-(?P<score>max|sum))?"
+                       r"-d(?P<dense>\d+)(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
+_FULL_HOST = re.compile(r"full-host-(?P<slots>\d+)")
+_XATTN = re.compile(r"xattn-(?P<threshold>[0-9]*\.?[0-9]+)")
 
 
-def make_samples(model: str, lengths: list[int], num_samples: int, seed: int) -> dict:
-    """``{length: {task: samples}}`` for every task of :data:`ruler.TASKS`."""
-    from transformers import AutoTokenizer
+# ---- settings ----------------------------------------------------------------------------
+def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                   recent_tokens: int = DEFAULT_RECENT_TOKENS) -> dict:
+    """:class:`RulerSettings` fields of setting ``name`` (the module docstring's grammar), with
+    ``"blocks"`` (full blocks a prompt spans, sizing the block) for ``full-host-N``.
+    ``sink_tokens`` / ``recent_tokens``: a choosing setting's always-read tokens unless its name
+    gives them.
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    return {n: build_samples(tokenizer, RulerSettings(num_samples=num_samples, seed=seed, input_len=n - ANSWER_ROOM))
-            for n in lengths}
+    Raises:
+        ValueError: a name outside the grammar.
+    """
+    if name == BASELINE:
+        return {}
+    if m := _FULL_HOST.fullmatch(name):
+        return dict(enable_offload=True, num_ring_slots=int(m["slots"]), blocks=FULL_HOST_BLOCKS)
+    if m := _XATTN.fullmatch(name):
+        return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
+    m = _CHOOSING.fullmatch(name)
+    if m is None or (m["policy"] == "quest") != (m["budget"] is not None):
+        raise ValueError(f"unknown setting {name!r}: expected full, quest-p<P>-b<B>-<max|sum>-d<D>[-s<S>-r<R>][-host], "
+                         f"streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>")
+    fields = dict(sparse_policy=m["policy"].upper(), sparse_page_size=int(m["page"]),
+                  sparse_dense_layers=int(m["dense"]),
+                  sparse_sink_tokens=int(m["sink"]) if m["sink"] else sink_tokens,
+                  sparse_recent_tokens=int(m["recent"]) if m["recent"] else recent_tokens)
+    if m["budget"] is not None:
+        fields.update(sparse_token_budget=int(m["budget"]), sparse_group_score=m["score"])
+    if m["host"]:
+        fields.update(enable_offload=True, num_ring_slots=HOST_RING_SLOTS)
+    return fields
 
 
-def block_size(name: str, length: int) -> int:
-    """KV block tokens of setting ``name`` at ``length``: its ``block``; else the prompt
-    (``length - ANSWER_ROOM`` tokens) over ``blocks``, rounded down to a multiple of 256 (at least
-    256); else 1024 (the evaluation default)."""
-    setting = SETTINGS[name]
-    if "block" in setting:
-        return setting["block"]
-    blocks = setting.get("blocks")
-    return 1024 if blocks is None else max(256, (length - ANSWER_ROOM) // blocks // 256 * 256)
+def choosing_name(policy: str, page: int, dense: int, budget: int | None = None, score: str | None = None,
+                  sink: int = DEFAULT_SINK_TOKENS, recent: int = DEFAULT_RECENT_TOKENS, host: bool = False) -> str:
+    """The name of a QUEST (``budget`` and ``score`` given) or STREAMING setting."""
+    name = f"{policy.lower()}-p{page}" + (f"-b{budget}-{score}" if budget is not None else "") + f"-d{dense}"
+    if (sink, recent) != (DEFAULT_SINK_TOKENS, DEFAULT_RECENT_TOKENS):
+        name += f"-s{sink}-r{recent}"
+    return name + ("-host" if host else "")
 
 
-def _settings(name: str, length: int, tasks: list[str], num_samples: int, block: int) -> RulerSettings:
-    fields = {k: v for k, v in SETTINGS[name].items() if k not in ("blocks", "block")}
-    if fields.get("sparse_policy") == "QUEST":  # the default rows per pick, for each batched sequence
-        fields["num_reuse_cache_blocks"] = DEFAULT_ROWS_PER_PICK * fields["sparse_topk_blocks"] * num_samples
+def grid(policies: list[str], pages: list[int], budgets: list[int], scores: list[str], dense: list[int],
+         design: str, sink: int = DEFAULT_SINK_TOKENS, recent: int = DEFAULT_RECENT_TOKENS,
+         host: bool = False) -> list[str]:
+    """FULL, then the QUEST and STREAMING rows of the grid (module docstring): ``design`` "oat"
+    varies one option at a time from the first value of each list, "full" crosses them."""
+    axes = [pages, budgets, scores, dense]
+    if design == "full":
+        points = list(itertools.product(*axes))
+    else:
+        base = [axis[0] for axis in axes]
+        points = [tuple(base)] + [tuple(value if i == j else b for j, b in enumerate(base))
+                                  for i, axis in enumerate(axes) for value in axis[1:]]
+    names = [BASELINE]
+    for policy in policies:
+        for page, budget, score, layers in points:
+            if policy == "QUEST":
+                names.append(choosing_name(policy, page, layers, budget, score, sink, recent, host))
+            else:  # STREAMING: no budget, no group score
+                names.append(choosing_name(policy, page, layers, sink=sink, recent=recent, host=host))
+    return list(dict.fromkeys(names))
+
+
+def block_size(name: str, length: int, default: int) -> int:
+    """KV block tokens of setting ``name`` at ``length``: for ``full-host-N`` the prompt
+    (``length - ANSWER_ROOM`` tokens) over :data:`FULL_HOST_BLOCKS` blocks, rounded down to a
+    multiple of 256 (at least 256); else ``default``."""
+    blocks = setting_fields(name).get("blocks")
+    return default if blocks is None else max(256, (length - ANSWER_ROOM) // blocks // 256 * 256)
+
+
+def make_settings(name: str, length: int, tasks: list[str], num_samples: int, block: int, sink: int, recent: int,
+                  device: str = "auto") -> RulerSettings:
+    """The validated evaluation of ``name`` at ``length`` (all ``num_samples`` samples of a task
+    batched). A QUEST ``-host`` setting's reuse cache gets the engine's default cells per pick
+    (``DEFAULT_ROWS_PER_PICK`` per picked page and KV head) for each batched sequence, so that the
+    reuse rate measures how much consecutive steps' picks overlap, not the cache's size."""
+    fields = {k: v for k, v in setting_fields(name, sink, recent).items() if k != "blocks"}
+    if fields.get("sparse_policy") == "QUEST" and fields.get("enable_offload"):
+        page = fields["sparse_page_size"]
+        picks = math.ceil(fields["sparse_token_budget"] / page) * page  # QuestPolicy.decode_pick_limit
+        fields["num_reuse_cache_blocks"] = math.ceil(DEFAULT_ROWS_PER_PICK * picks * num_samples / block)
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
-                             max_num_seqs=num_samples, block_size=block, **fields)
+                             max_num_seqs=num_samples, block_size=block, device=device, **fields)
     settings.validate()
     return settings
 
 
-def _line(name: str, length: int, report, seconds: float) -> dict:
+# ---- samples -----------------------------------------------------------------------------
+def make_samples(model: str, lengths: list[int], num_samples: int, seed: int, tasks: list[str]) -> dict:
+    """``{length: {task: samples}}``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return {n: build_samples(tokenizer, RulerSettings(tasks=tasks, num_samples=num_samples, seed=seed,
+                                                      input_len=n - ANSWER_ROOM)) for n in lengths}
+
+
+def load_samples(path: str, lengths: list[int], num_samples: int, tasks: list[str]) -> dict:
+    """The first ``num_samples`` samples of ``tasks`` at ``lengths`` from a --make-samples file.
+
+    Raises:
+        ValueError: a length, task or sample the file lacks.
+    """
+    saved = torch.load(path)
+    out = {}
+    for n in lengths:
+        if n not in saved:
+            raise ValueError(f"{path} has no samples of length {n} (it has {sorted(saved)})")
+        out[n] = {}
+        for task in tasks:
+            have = saved[n].get(task, [])
+            if len(have) < num_samples:
+                raise ValueError(f"{path} has {len(have)} samples of {task} at length {n}, fewer than "
+                                 f"--num-samples {num_samples}")
+            out[n][task] = have[:num_samples]
+    return out
+
+
+def samples_digest(samples: list[dict]) -> str:
+    """A digest of a task's samples (their prompt ids and answers): equal digests, same samples."""
+    text = json.dumps([[list(s["input_ids"]), s["answers"]] for s in samples])
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+# ---- the sweep -----------------------------------------------------------------------------
+def _line(name: str, length: int, report, seconds: float, samples: dict, options: dict) -> dict:
     stats = report.sparse_stats or {}
+    prefill, decode = stats.get("prefill", {}), stats.get("decode", {})
     return {"setting": name, "input_len": length, "num_samples": len(report.results[0].scores),
+            "policy": stats.get("policy"), "options": options,
             "overall": round(report.overall, 4), "tasks": {r.task: round(r.mean, 4) for r in report.results},
-            "prefill_density": stats.get("prefill", {}).get("density"),
-            "prefill_comm_density": stats.get("prefill", {}).get("comm_density"),
-            "decode_density": stats.get("decode", {}).get("density"),
-            "decode_comm_density": stats.get("decode", {}).get("comm_density"),
-            "decode_reuse_rate": stats.get("decode", {}).get("reuse_rate"),
+            "scores": {r.task: r.scores for r in report.results},
+            "samples_digest": {r.task: samples_digest(samples[r.task]) for r in report.results},
+            "prefill_density": prefill.get("density"), "prefill_comm_density": prefill.get("comm_density"),
+            "decode_density": decode.get("density"), "decode_comm_density": decode.get("comm_density"),
+            "decode_reuse_rate": decode.get("reuse_rate"),
+            "decode_read_tokens": decode.get("read_tokens"), "decode_context_tokens": decode.get("context_tokens"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
             "block_size": report.settings["block_size"],
             "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
 
 
-def run_setting(model: str, name: str, samples: dict, num_samples: int):
+def run_setting(model: str, name: str, samples: dict, num_samples: int, default_block: int, sink: int, recent: int,
+                device: str = "auto"):
     """Setting ``name`` at every length, the longest first; one engine per block size (so one for
-    the settings without ``blocks``), sized for its longest length. Yields the JSON line of each
-    length in turn (see the module docstring)."""
+    all but ``full-host-N``), sized for its longest length. Yields the JSON line of each length in
+    turn (see the module docstring)."""
     lengths = sorted(samples, reverse=True)  # the longest first: the one that matters most
     tasks = list(samples[lengths[0]])
-    for block in dict.fromkeys(block_size(name, n) for n in lengths):
-        group = [n for n in lengths if block_size(name, n) == block]
-        llm = LLM(model, **_settings(name, group[0], tasks, num_samples, block).engine_kwargs())
+    for block in dict.fromkeys(block_size(name, n, default_block) for n in lengths):
+        group = [n for n in lengths if block_size(name, n, default_block) == block]
+        settings = make_settings(name, group[0], tasks, num_samples, block, sink, recent, device)
+        llm = LLM(model, **settings.engine_kwargs())
         try:
+            options = sparse_options(llm)
             for length in group:
                 t0 = time.perf_counter()
-                report = run_ruler(llm, _settings(name, length, tasks, num_samples, block), samples[length])
-                yield _line(name, length, report, time.perf_counter() - t0)
+                report = run_ruler(llm, make_settings(name, length, tasks, num_samples, block, sink, recent, device),
+                                   samples[length])
+                yield _line(name, length, report, time.perf_counter() - t0, samples[length], options)
         finally:
             llm.shutdown()
 
 
 def sweep(args) -> None:
-    samples = torch.load(args.samples) if args.samples else make_samples(args.model, args.lengths,
-                                                                         args.num_samples, args.seed)
-    samples = {n: samples[n] for n in args.lengths}
+    if args.samples:
+        samples = load_samples(args.samples, args.lengths, args.num_samples, args.tasks)
+    else:
+        samples = make_samples(args.model, args.lengths, args.num_samples, args.seed, args.tasks)
     for name in args.settings:
         try:
-            for line in run_setting(args.model, name, samples, args.num_samples):
+            for line in run_setting(args.model, name, samples, args.num_samples, args.block_size, args.sink_tokens,
+                                    args.recent_tokens, args.device):
                 _write(args.out, line)
         except Exception as err:  # record it; the other settings go on
             _write(args.out, {"setting": name, "error": f"{type(err).__name__}: {err}"})
+    print()
+    print(table(args.out))
 
 
 def _write(path: str, line: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
-    print(json.dumps({k: v for k, v in line.items() if k != "outputs"}), flush=True)
+    print(json.dumps({k: v for k, v in line.items() if k not in ("outputs", "scores", "samples_digest")}), flush=True)
+
+
+# ---- the tables -----------------------------------------------------------------------------
+def paired_difference(line: dict, full: dict) -> tuple[dict, tuple[float, float | None] | None]:
+    """``({task: (mean difference, standard error)}, (average's difference, its standard
+    error))`` of ``line`` against ``full`` over the tasks both ran on the same samples (module
+    docstring); a standard error is None for a task of one sample, the average None without a
+    common task."""
+    per_task = {}
+    for task, scores in line["scores"].items():
+        base = full["scores"].get(task)
+        if base is None or line["samples_digest"].get(task) != full["samples_digest"].get(task):
+            continue
+        d = [a - b for a, b in zip(scores, base)]
+        n = len(d)
+        mean = sum(d) / n
+        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
+        per_task[task] = (mean, se)
+    if not per_task:
+        return per_task, None
+    diff = sum(m for m, _ in per_task.values()) / len(per_task)
+    ses = [se for _, se in per_task.values()]
+    se = None if None in ses else math.sqrt(sum(s * s for s in ses)) / len(per_task)
+    return per_task, (diff, se)
+
+
+def _baseline(line: dict, fulls: list[dict]) -> dict | None:
+    """The last FULL line of ``line``'s length whose samples of every task of ``line`` match."""
+    for full in reversed(fulls):
+        if full["input_len"] == line["input_len"] and all(
+                full["samples_digest"].get(t) == d for t, d in line["samples_digest"].items()):
+            return full
+    return None
+
+
+def _pm(value: tuple[float, float | None] | None, scale: float = 100.0) -> str:
+    if value is None:
+        return "-"
+    diff, se = value
+    return f"{scale * diff:+.1f}" + ("" if se is None else f" ± {scale * se:.1f}")
 
 
 def table(path: str) -> str:
-    """The Markdown table of a sweep's JSON lines: a row per (setting, length), a column per task."""
+    """The Markdown tables of a sweep's JSON lines (module docstring): a row per (setting,
+    length), sorted by length, FULL first, then the settings in the order they ran."""
     lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     runs = [x for x in lines if "error" not in x]
+    order = list(dict.fromkeys([BASELINE] + [x["setting"] for x in runs]))
+    runs.sort(key=lambda x: (x["input_len"], order.index(x["setting"])))
     tasks = [t for t in ruler.TASKS if any(t in x["tasks"] for x in runs)]
+    fulls = [x for x in lines if x.get("setting") == BASELINE and "error" not in x and "scores" in x]
 
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
 
-    head = ["setting", "length", *tasks, "average", "prefill density", "decode density", "decode comm density",
+    head = ["setting", "length", *tasks, "average", "vs FULL (± SE)", "decode density", "decode comm density",
             "reuse rate", "seconds"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for x in sorted(runs, key=lambda x: (list(SETTINGS).index(x["setting"]), x["input_len"])):
-        cells = [x["setting"], str(x["input_len"]), *(f"{100 * x['tasks'][t]:.0f}" for t in tasks),
-                 f"**{100 * x['overall']:.1f}**", fmt(x["prefill_density"]), fmt(x.get("decode_density")),
-                 fmt(x["decode_comm_density"]),
-                 fmt(x.get("decode_reuse_rate")), f"{x['generate_seconds']:.0f}"]
+    diff_head = ["setting", "length", *tasks, "average"]
+    diff_rows = ["| " + " | ".join(diff_head) + " |", "|" + "---|" * len(diff_head)]
+    for x in runs:
+        full = _baseline(x, fulls) if x["setting"] != BASELINE and "scores" in x else None
+        per_task, average = paired_difference(x, full) if full is not None else ({}, None)
+        cells = [x["setting"], str(x["input_len"]),
+                 *(f"{100 * x['tasks'][t]:.0f}" if t in x["tasks"] else "-" for t in tasks),
+                 f"**{100 * x['overall']:.1f}**", "(baseline)" if x["setting"] == BASELINE else _pm(average),
+                 fmt(x.get("decode_density")), fmt(x.get("decode_comm_density")), fmt(x.get("decode_reuse_rate")),
+                 f"{x['generate_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
-    rows += [f"\nfailed: {x['setting']}: {x['error']}" for x in lines if "error" in x]
-    return "\n".join(rows)
+        if x["setting"] != BASELINE:
+            diff_rows.append("| " + " | ".join([x["setting"], str(x["input_len"]),
+                                                *(_pm(per_task.get(t)) for t in tasks), _pm(average)]) + " |")
+    out = ["Scores (%, mean over samples; average: mean over tasks) and the paired difference of the average "
+           "against FULL (percentage points ± standard error):", "", *rows]
+    if len(diff_rows) > 2:
+        out += ["", "Paired difference against FULL per task (percentage points ± standard error; - : no FULL line "
+                "on the same samples):", "", *diff_rows]
+    out += [f"\nfailed: {x['setting']}: {x['error']}" for x in lines if "error" in x]
+    return "\n".join(out)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _words(choices):
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values of {list(choices)}, got {text!r}")
+        return values
+    return parse
 
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
-    return names
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated setting names")
+    for name in names:
+        try:
+            setting_fields(name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return list(dict.fromkeys(names))
 
 
-def main(argv: list[str] | None = None) -> None:
+def _tasks(text: str) -> list[str]:
+    if text.strip().lower() == "all":
+        return list(ruler.TASKS)
+    try:
+        return list(dict.fromkeys(ruler.resolve_task(t.strip()) for t in text.split(",") if t.strip()))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ruler_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="the model directory (its tokenizer builds the samples)")
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768],
+    p.add_argument("--lengths", type=_ints, default=[4096, 8192, 16384, 32768],
                    help="comma-separated sequence lengths (default 4096,8192,16384,32768)")
-    p.add_argument("--num-samples", type=int, default=10, help="samples per task and length (default 10)")
+    p.add_argument("--num-samples", type=int, default=20, help="samples per task and length (default 20)")
+    p.add_argument("--tasks", type=_tasks, default=list(ruler.TASKS), help="'all' (default) or comma-separated tasks")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
-    p.add_argument("--settings", type=_names, default=list(SETTINGS),
-                   help=f"comma-separated settings (default all: {','.join(SETTINGS)})")
+    p.add_argument("--settings", type=_names, default=None,
+                   help="comma-separated setting names (module docstring); default: the grid's")
+    p.add_argument("--policies", type=_words(("QUEST", "STREAMING")), default=["QUEST", "STREAMING"],
+                   help="grid: the choosing policies besides FULL (default QUEST,STREAMING)")
+    p.add_argument("--page-sizes", type=_ints, default=[16, 32, 64], help="grid: sparse_page_size (default 16,32,64)")
+    p.add_argument("--budgets", type=_ints, default=[DEFAULT_TOKEN_BUDGET, 1024, 4096],
+                   help=f"grid: QUEST's sparse_token_budget (default {DEFAULT_TOKEN_BUDGET},1024,4096)")
+    p.add_argument("--group-scores", type=_words(("max", "sum")), default=["max", "sum"],
+                   help="grid: QUEST's sparse_group_score (default max,sum)")
+    p.add_argument("--dense-layers", type=_ints, default=[0, 2], help="grid: sparse_dense_layers (default 0,2)")
+    p.add_argument("--design", choices=("oat", "full"), default="oat",
+                   help="grid: one option at a time from the first values (default), or every combination")
+    p.add_argument("--host-tier", action="store_true", help="grid: the QUEST / STREAMING rows over the host tier")
+    p.add_argument("--sink-tokens", type=int, default=DEFAULT_SINK_TOKENS,
+                   help=f"sparse_sink_tokens of every QUEST / STREAMING row (default {DEFAULT_SINK_TOKENS})")
+    p.add_argument("--recent-tokens", type=int, default=DEFAULT_RECENT_TOKENS,
+                   help=f"sparse_recent_tokens of every QUEST / STREAMING row (default {DEFAULT_RECENT_TOKENS})")
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="KV block tokens of every setting but full-host-N (default 1024)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--samples", help="samples saved by --make-samples (default: build them)")
-    p.add_argument("--make-samples", metavar="PATH", help="only build the samples (all 12 tasks) and save them")
+    p.add_argument("--make-samples", metavar="PATH", help="only build the samples of --tasks and save them")
     p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here (default ruler_sweep.jsonl)")
-    p.add_argument("--table", metavar="JSONL", help="only print the Markdown table of a sweep's lines")
+    p.add_argument("--table", metavar="JSONL", help="only print the tables of a sweep's lines")
+    p.add_argument("--list", action="store_true", help="only print the settings the sweep would run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.table:
         print(table(args.table))
+        return
+    if args.num_samples < 1 or min(args.lengths) <= ANSWER_ROOM:
+        p.error(f"--num-samples must be >= 1 and every length > {ANSWER_ROOM}")
+    if args.settings is None:
+        args.settings = grid(args.policies, args.page_sizes, args.budgets, args.group_scores, args.dense_layers,
+                             args.design, args.sink_tokens, args.recent_tokens, args.host_tier)
+    longest = max(args.lengths)
+    for name in args.settings:  # every setting's options, checked before any model is loaded
+        try:
+            make_settings(name, longest, args.tasks, args.num_samples, block_size(name, longest, args.block_size),
+                          args.sink_tokens, args.recent_tokens, args.device)
+        except ValueError as err:
+            p.error(f"setting {name}: {err}")
+    if args.list:
+        print("\n".join(args.settings))
     elif not args.model:
         p.error("--model is required")
     elif args.make_samples:
-        torch.save(make_samples(args.model, args.lengths, args.num_samples, args.seed), args.make_samples)
+        torch.save(make_samples(args.model, args.lengths, args.num_samples, args.seed, args.tasks), args.make_samples)
     else:
         sweep(args)
 

@@ -47,7 +47,8 @@ def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dty
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, 'auto' or None, got {dtype!r}")
 
 
-_DEPRECATED_NAMES = ("num_gpu_blocks",)
+_DEPRECATED_NAMES = ("num_gpu_blocks", "sparse_topk_blocks")
+_DEFAULT_TOKEN_BUDGET = 2048
 """Config fields kept for old callers (each warns and says its new name); not listed in errors."""
 
 _VLLM_HINTS = {
@@ -172,21 +173,29 @@ class Config:
             ``max_model_len`` tokens use).
         cpu_memory_utilization: share of available host memory the host tier may use (and pin as
             it fills), in (0, 1].
-        sparse_policy: "FULL" (every block), "QUEST" (decode: top-k blocks by key min/max bounds,
-            in both tiers) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al.
-            2025; decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
+        sparse_policy: "FULL" (every block), "QUEST" (decode: pages chosen per KV head by key
+            min/max bounds, in both tiers), "STREAMING" (decode: attention sinks and a recent
+            window) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al. 2025;
+            decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
             ``LLM.get_sparse_stats()`` reports the densities.
-        sparse_topk_blocks: QUEST, best-scoring blocks loaded per decode step (>= 1), besides the
-            first block and the two last ones (the block being written and the one before it),
-            which are always loaded. The default 16 is the knee of RULER's accuracy against the
-            share of the KV read, at 32K tokens in 256-token blocks (docs/sparse.md, 'Defaults').
-        sparse_threshold_blocks: QUEST selects only when more blocks than this are available.
-        num_reuse_cache_blocks: QUEST with the host tier: GPU blocks (of every layer) that keep
-            host-tier blocks selected in recent decode steps, so a block selected again is read
-            in place instead of loaded again (``docs/kvcache.md``); taken from the GPU tier's
-            memory budget. -1 (default): 2 x ``sparse_topk_blocks`` (twice one step's picks of a
-            sequence: ``nanovllm.kvcache.reuse.DEFAULT_ROWS_PER_PICK`` says why);
-            0: no reuse cache. A positive value needs ``enable_cpu_offload`` and QUEST.
+        sparse_page_size: QUEST / STREAMING: tokens per page, the unit decode chooses and reads
+            per KV head; 16, 32 or 64, dividing ``kvcache_block_size``.
+        sparse_token_budget: QUEST: tokens each KV head reads per decode step besides the
+            always-read ones (rounded up to whole pages), >= 1.
+        sparse_sink_tokens, sparse_recent_tokens: QUEST / STREAMING: the first tokens (attention
+            sinks) and the last tokens before the page being written, which every decode step reads
+            (rounded up to whole pages), in [0, max_model_len].
+        sparse_dense_layers: QUEST / STREAMING: the first layers read every page, >= 0.
+        sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "max" or
+            "sum".
+        sparse_topk_blocks: deprecated: ``sparse_token_budget = sparse_topk_blocks x
+            kvcache_block_size`` (warns; giving both is a ValueError).
+        num_reuse_cache_blocks: a choosing policy with the host tier: GPU blocks (of every layer)
+            whose pages keep, per KV head, host-tier pages read in recent decode steps, so a page
+            read again is read in place instead of loaded again (``docs/kvcache.md``); taken from
+            the GPU tier's memory budget. -1 (default): room for twice a step's picks of one
+            sequence (``nanovllm.kvcache.reuse.DEFAULT_ROWS_PER_PICK``); 0: no reuse cache. A
+            positive value needs ``enable_cpu_offload`` and a policy that chooses decode pages.
         sparse_threshold: XATTN_BSA, share of the estimated attention mass each (head, query
             block) keeps, in [0, 1] (default 0.97, the knee of the RULER sweep at 32K in docs/sparse.md;
             1.0 keeps every block: FULL's result).
@@ -228,8 +237,13 @@ class Config:
     num_cpu_kvcache_blocks: int = -1
     cpu_memory_utilization: float = 0.5
     sparse_policy: str = "FULL"
-    sparse_topk_blocks: int = 16
-    sparse_threshold_blocks: int = 4
+    sparse_page_size: int = 16
+    sparse_token_budget: int = _DEFAULT_TOKEN_BUDGET
+    sparse_sink_tokens: int = 16
+    sparse_recent_tokens: int = 256
+    sparse_dense_layers: int = 0
+    sparse_group_score: str = "max"
+    sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x kvcache_block_size
     num_reuse_cache_blocks: int = -1
     sparse_threshold: float = 0.97
     sparse_stride: int = 8
@@ -310,13 +324,22 @@ class Config:
         check_range("cpu_memory_utilization", self.cpu_memory_utilization, 0, 1, low_inclusive=False,
                      integer=False)
         self.sparse_policy = policy_class(self.sparse_policy).name
-        for policy in registered_policies():  # every policy checks its own options
-            policy.check_options(self)
+        if self.sparse_topk_blocks is not None:
+            warnings.warn("sparse_topk_blocks is deprecated and will be removed in the next release: decode chooses "
+                          "pages per KV head; use sparse_token_budget (tokens per KV head and step)",
+                          DeprecationWarning, stacklevel=5)
+            check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
+            if self.sparse_token_budget != _DEFAULT_TOKEN_BUDGET:
+                raise ValueError(f"sparse_topk_blocks={self.sparse_topk_blocks} and sparse_token_budget="
+                                 f"{self.sparse_token_budget} both set the budget; give sparse_token_budget only")
+            self.sparse_token_budget = self.sparse_topk_blocks * self.kvcache_block_size
+            self.sparse_topk_blocks = None
+        policy_class(self.sparse_policy).check_options(self)  # another policy's options must keep their defaults:
         self._check_unused_sparse_options()
         if self.num_reuse_cache_blocks != -1:
             check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
         if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
-                                                    policy_class(self.sparse_policy).chooses_decode_blocks):
+                                                    policy_class(self.sparse_policy).chooses_decode_pages):
             choosers = " or ".join(repr(name) for name in choosing_policy_names())
             raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
                              f"and sparse_policy={choosers} (got {self.enable_cpu_offload}, "
@@ -368,4 +391,4 @@ def async_scheduling_blockers(config: Config) -> list[str]:
     tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``)."""
     return [name for name, on in (
         (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_blocks)) if on]
+        (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_pages)) if on]

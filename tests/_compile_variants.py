@@ -26,13 +26,14 @@ import pytest
 import torch
 
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
-                          gather_host_blocks, merge_attention_outputs, rms_norm, selected_reads, silu_and_mul,
+                          gather_host_pages, merge_attention_outputs, rms_norm, silu_and_mul,
                           store_kvcache)
+from nanovllm.ops.quest_scores import page_bounds
 from nanovllm.ops.xattn_mask import xattn_block_mask
 
 OP_MODULES = tuple(importlib.import_module(f"nanovllm.ops.{name}") for name in (
     "block_lists", "block_sparse_attention", "chunked_attention", "decode_attention", "decode_merge", "host_gather",
-    "rmsnorm", "selected_reads",
+    "quest_scores", "rmsnorm",
     "rotary", "silu_and_mul", "store_kv", "xattn_estimate", "xattn_estimate_triton", "xattn_select",
     "xattn_mask"))
 
@@ -67,10 +68,11 @@ def xattn_prefill(n: int, device, heads=SMOLLM2_HEADS, chunk_size: int = 16384) 
     block_sparse_attention(q, k, v, mask, SPARSE_BLOCK)
 
 
-def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: int = 256) -> None:
+def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: int = 256, page: int = 16) -> None:
     """Decode at context n: paged decode of a batch, one host-tier ring step folded into a running
-    state (its last, partial block), a gather of QUEST's picked host blocks (as many entries as
-    blocks, half skipped) and a prefix/chunk LSE merge of n rows."""
+    state (its last, partial block), QUEST's page bounds of every page, a gather of its picked host
+    pages (per KV head, half skipped), decode over per-KV-head page tables and a prefix/chunk LSE
+    merge of n rows."""
     heads_q, heads_kv, dim = heads
     blocks = -(-n // kv_block)
     cache = torch.zeros(blocks * batch, kv_block, heads_kv, dim, device=device, dtype=torch.bfloat16)
@@ -83,11 +85,17 @@ def decode_steps(n: int, device, heads=SMOLLM2_HEADS, batch: int = 4, kv_block: 
     lse = torch.full((heads_q,), float("-inf"), device=device)
     decode_attend_merge(torch.zeros(heads_q, dim, device=device, dtype=torch.bfloat16), cache[0, :tail],
                         cache[0, :tail], out, lse, dim**-0.5)
-    ids = torch.arange(blocks, device=device).masked_fill(torch.arange(blocks, device=device) % 2 == 1, -1)
-    gather_host_blocks(cache, cache, ids, cache, cache, ids.flip(0))
-    rows, zeros = tables.long(), torch.zeros(batch, device=device, dtype=torch.int64)
-    selected_reads(zeros[:, None].expand(batch, 2), rows[None], rows, rows >= 0, ids[None], zeros[:1] + 1, 0, zeros,
-                   lens.long(), blocks * batch, kv_block, rows, lens.long(), 0, torch.arange(batch, device=device))
+    pages = cache.view(-1, page, heads_kv, dim)
+    num_pages = -(-n // page)
+    bounds = torch.zeros(num_pages * batch, heads_kv, dim, device=device, dtype=torch.bfloat16)
+    page_ids = torch.arange(num_pages * batch, device=device).view(batch, num_pages)
+    page_bounds(torch.zeros(batch, heads_q, dim, device=device, dtype=torch.bfloat16), bounds, bounds, page_ids)
+    ids = torch.arange(num_pages, device=device)
+    src = ids.masked_fill(ids % 2 == 1, -1)
+    gather_host_pages(pages, pages, src, ids % heads_kv, pages, pages, ids.flip(0))
+    head_tables = page_ids.to(torch.int32)[:, None].expand(batch, heads_kv, num_pages).contiguous()
+    decode_attention(torch.zeros(batch, heads_q, dim, device=device, dtype=torch.bfloat16), pages, pages, head_tables,
+                     lens, dim**-0.5)
     o = torch.zeros(1, n, heads_q, dim, device=device, dtype=torch.bfloat16)
     lse_rows = torch.zeros(1, heads_q, n, device=device)
     merge_attention_outputs(o, lse_rows, o, lse_rows)
@@ -169,10 +177,11 @@ WORKLOADS = {
         "rmsnorm._rms_norm_kernel": 1, "rotary._rotary_kernel": 1, "store_kv._store_kv_kernel": 1,
         "silu_and_mul._silu_and_mul_kernel": 1}),
     "decode_steps": (decode_steps, {
-        # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not
-        "decode_attention._decode_split_kernel": 2, "decode_attention._decode_reduce_kernel": 1,
+        # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not, for
+        # KV blocks and for pages
+        "decode_attention._decode_split_kernel": 4, "decode_attention._decode_reduce_kernel": 1,
         "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1,
-        "host_gather._gather_host_blocks_kernel": 1, "selected_reads._selected_reads_kernel": 1}),
+        "host_gather._gather_host_pages_kernel": 1, "quest_scores._page_bounds_kernel": 1}),
 }
 """``{name: (workload(n, device), {kernel: most variants over any lengths})}``; a workload launches
 exactly the kernels listed."""

@@ -3,18 +3,21 @@
 Importable under pytest (tests/ is on sys.path, like ``_util``) and when those files run as
 scripts (sys.path[0] is then tests/): the engine/offload settings with their validation and
 :class:`nanovllm.LLM` keyword arguments, the matching command-line options, the model-directory
-resolution, :func:`make_llm`, :func:`engine_offload` and :func:`sparse_stats_text`.
+resolution, :func:`make_llm`, :func:`engine_offload`, :func:`sparse_options` and :func:`sparse_stats_text`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
-                 "sparse_topk_blocks", "sparse_threshold_blocks", "sparse_threshold", "sparse_stride", "num_cpu_blocks",
-                 "device", "dtype", "enforce_eager")
+                 "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
+                 "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
+                 "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "enforce_eager")
+DEFAULT_TOKEN_BUDGET = 2048
+"""The engine's ``sparse_token_budget`` default (``nanovllm.config.Config``)."""
 
 
 @dataclass
@@ -24,7 +27,8 @@ class EngineSettings:
 
     With ``enable_offload`` (the host tier), ``num_gpu_kv_blocks=None`` gives the GPU tier the
     fewest blocks the engine allows, 2 per sequence (its first block and the block it writes), so
-    the host tier holds everything else and decode reads it through the ring; ``num_cpu_blocks=None``
+    the host tier holds everything else and decode reads it from there (through the ring, or, for a
+    policy that chooses decode pages, its pages gathered per KV head); ``num_cpu_blocks=None``
     gives the host tier exactly what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
     """
 
@@ -33,12 +37,17 @@ class EngineSettings:
     num_gpu_kv_blocks: int | None = None
     block_size: int = 1024
     sparse_policy: str = "FULL"
-    sparse_topk_blocks: int = 16
-    sparse_threshold_blocks: int = 4
+    sparse_page_size: int = 16  # QUEST / STREAMING: tokens per page, chosen per KV head in decode
+    sparse_token_budget: int = DEFAULT_TOKEN_BUDGET  # QUEST: tokens each KV head picks per decode step
+    sparse_sink_tokens: int = 16  # QUEST / STREAMING: always-read first tokens
+    sparse_recent_tokens: int = 256  # QUEST / STREAMING: always-read last tokens
+    sparse_dense_layers: int = 0  # QUEST / STREAMING: the first layers read everything
+    sparse_group_score: str = "max"  # QUEST: "max" or "sum" over a KV head's query heads
+    sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x block_size (the engine warns)
     sparse_threshold: float = 0.97
     sparse_stride: int = 8
     num_cpu_blocks: int | None = None
-    num_reuse_cache_blocks: int | None = None  # None: the engine's default (QUEST's top-k rows per layer)
+    num_reuse_cache_blocks: int | None = None  # None: the engine's default (2 cells per page a sequence picks)
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
     enforce_eager: bool = False
@@ -53,9 +62,9 @@ class EngineSettings:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in (None, *DTYPE_CHOICES[1:]):
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
-        self._validate_sparse()
         if self.block_size <= 0 or self.block_size % 256:
             raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        self._validate_sparse()
         if not self.enable_offload:
             return
         if self.num_ring_slots < 2:
@@ -69,25 +78,55 @@ class EngineSettings:
                              f"{self.block_size} are needed")
 
     def _validate_sparse(self) -> None:
-        """The sparse options (XATTN_BSA applies without offload too)."""
+        """The sparse options, as the engine checks them (every policy's options, whichever is
+        selected; XATTN_BSA applies without offload too), except that the always-read tokens are
+        held to ``max_model_len`` only for a policy that chooses decode pages."""
         import math
 
+        from nanovllm.ops.quest_scores import COMBINES
         from nanovllm.sparse import policy_class, policy_names
+        from nanovllm.sparse.choosing import PAGE_SIZES
 
         try:
             policy_class(self.sparse_policy)
         except ValueError:
             raise ValueError(f"sparse-policy must be one of {policy_names()}, "
                              f"got {self.sparse_policy!r}") from None
-        if self.sparse_topk_blocks < 1:
-            raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks}")
-        if self.sparse_threshold_blocks < 0:
-            raise ValueError(f"sparse-threshold-blocks must be >= 0, got {self.sparse_threshold_blocks}")
+        if self.sparse_page_size not in PAGE_SIZES or self.block_size % self.sparse_page_size:
+            raise ValueError(f"sparse-page-size must be one of {list(PAGE_SIZES)} and divide block-size="
+                             f"{self.block_size}, got {self.sparse_page_size!r}")
+        if self.sparse_topk_blocks is not None:
+            if _not_int(self.sparse_topk_blocks) or self.sparse_topk_blocks < 1:
+                raise ValueError(f"sparse-topk-blocks must be >= 1, got {self.sparse_topk_blocks!r}")
+            if self.sparse_token_budget != DEFAULT_TOKEN_BUDGET:
+                raise ValueError(f"sparse-topk-blocks={self.sparse_topk_blocks} (deprecated) and sparse-token-budget="
+                                 f"{self.sparse_token_budget} both set the budget; give --sparse-token-budget only")
+        if _not_int(self.sparse_token_budget) or self.sparse_token_budget < 1:
+            raise ValueError(f"sparse-token-budget must be an integer >= 1, got {self.sparse_token_budget!r}")
+        chooses = policy_class(self.sparse_policy).chooses_decode_pages
+        for name in ("sparse_sink_tokens", "sparse_recent_tokens"):
+            value = getattr(self, name)
+            if _not_int(value) or value < 0 or (chooses and value > self.max_model_len):
+                raise ValueError(f"{name.replace('_', '-')} must be an integer in [0, {self.max_model_len}] "
+                                 f"(input-len + max-new-tokens), got {value!r}")
+        if _not_int(self.sparse_dense_layers) or self.sparse_dense_layers < 0:
+            raise ValueError(f"sparse-dense-layers must be an integer >= 0, got {self.sparse_dense_layers!r}")
+        if self.sparse_group_score not in COMBINES:
+            raise ValueError(f"sparse-group-score must be one of {list(COMBINES)}, got {self.sparse_group_score!r}")
         if not (isinstance(self.sparse_threshold, (int, float)) and math.isfinite(self.sparse_threshold)
                 and 0.0 <= self.sparse_threshold <= 1.0):
             raise ValueError(f"sparse-threshold must be in [0, 1], got {self.sparse_threshold!r}")
         if self.sparse_stride < 1 or self.sparse_stride & (self.sparse_stride - 1) or self.sparse_stride > 64:
             raise ValueError(f"sparse-stride must be a power of two in [1, 64], got {self.sparse_stride}")
+        if self.num_reuse_cache_blocks is not None:
+            if _not_int(self.num_reuse_cache_blocks) or self.num_reuse_cache_blocks < -1:
+                raise ValueError(f"num-reuse-cache-blocks must be -1 (the engine's default) or >= 0, "
+                                 f"got {self.num_reuse_cache_blocks!r}")
+            if self.num_reuse_cache_blocks > 0 and not (self.enable_offload and chooses):
+                from nanovllm.sparse import choosing_policy_names
+
+                raise ValueError(f"num-reuse-cache-blocks={self.num_reuse_cache_blocks} needs --enable-offload and "
+                                 f"--sparse-policy {' or '.join(choosing_policy_names())}")
 
     def engine_kwargs(self, max_model_len: int | None = None, max_num_seqs: int = 1) -> dict:
         """Keyword arguments of :class:`nanovllm.LLM` (``max_model_len`` defaults to the
@@ -96,9 +135,13 @@ class EngineSettings:
             max_model_len = self.max_model_len
         kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
                   dtype=self.dtype, enforce_eager=self.enforce_eager, kvcache_block_size=self.block_size,
-                  sparse_policy=self.sparse_policy,
-                  sparse_topk_blocks=self.sparse_topk_blocks, sparse_threshold_blocks=self.sparse_threshold_blocks,
+                  sparse_policy=self.sparse_policy, sparse_page_size=self.sparse_page_size,
+                  sparse_token_budget=self.sparse_token_budget, sparse_sink_tokens=self.sparse_sink_tokens,
+                  sparse_recent_tokens=self.sparse_recent_tokens, sparse_dense_layers=self.sparse_dense_layers,
+                  sparse_group_score=self.sparse_group_score,
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
+        if self.sparse_topk_blocks is not None:  # the engine turns it into the token budget (and warns)
+            kw["sparse_topk_blocks"] = self.sparse_topk_blocks
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
             kw.update(enable_cpu_offload=True, num_ring_slots=self.num_ring_slots,
@@ -109,6 +152,10 @@ class EngineSettings:
             if self.num_reuse_cache_blocks is not None:
                 kw.update(num_reuse_cache_blocks=self.num_reuse_cache_blocks)
         return kw
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: str,
@@ -122,15 +169,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--num-gpu-kv-blocks", type=int, default=None,
                    help="host tier: GPU-tier blocks (default: 2 per sequence, so the host tier holds the rest)")
     p.add_argument("--block-size", type=int, default=1024,
-                   help="KV block in tokens (both tiers; QUEST selects blocks of this size), a multiple of 256 "
-                        "(default 1024)")
+                   help="KV block in tokens (both tiers), a multiple of 256 (default 1024)")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help=num_cpu_blocks_help)
-    p.add_argument("--sparse-policy", default="FULL",
-                   help="sparse policy: FULL, QUEST (decode) or XATTN_BSA (prefill) (default FULL)")
-    p.add_argument("--sparse-topk-blocks", type=int, default=16,
-                   help="QUEST: blocks chosen by score (default 16, the engine's; set it with --block-size)")
-    p.add_argument("--sparse-threshold-blocks", type=int, default=4,
-                   help="QUEST: select only above this many blocks (default 4)")
+    p.add_argument("--sparse-policy", default="FULL", type=str.upper,
+                   help=f"sparse policy, one of {', '.join(_policy_names())}: QUEST (decode: pages chosen per KV "
+                        "head by key bounds), STREAMING (decode: sinks and a recent window), XATTN_BSA (prefill) "
+                        "(default FULL)")
+    d = {f.name: f.default for f in fields(EngineSettings)}
+    p.add_argument("--sparse-page-size", type=int, default=d["sparse_page_size"],
+                   help=f"QUEST / STREAMING: tokens per page, 16, 32 or 64, dividing --block-size "
+                        f"(default {d['sparse_page_size']})")
+    p.add_argument("--sparse-token-budget", type=int, default=d["sparse_token_budget"],
+                   help=f"QUEST: tokens each KV head picks per decode step besides the always-read ones, "
+                        f"whole pages (default {d['sparse_token_budget']})")
+    p.add_argument("--sparse-sink-tokens", type=int, default=d["sparse_sink_tokens"],
+                   help=f"QUEST / STREAMING: first tokens every decode step reads (default {d['sparse_sink_tokens']})")
+    p.add_argument("--sparse-recent-tokens", type=int, default=d["sparse_recent_tokens"],
+                   help=f"QUEST / STREAMING: last tokens every decode step reads (default "
+                        f"{d['sparse_recent_tokens']})")
+    p.add_argument("--sparse-dense-layers", type=int, default=d["sparse_dense_layers"],
+                   help=f"QUEST / STREAMING: the first layers read every page (default {d['sparse_dense_layers']})")
+    p.add_argument("--sparse-group-score", default=d["sparse_group_score"],
+                   help=f"QUEST: how a KV head combines its query heads' page shares, max or sum "
+                        f"(default {d['sparse_group_score']})")
+    p.add_argument("--sparse-topk-blocks", type=int, default=None,
+                   help="deprecated: --sparse-token-budget = this x --block-size")
+    p.add_argument("--num-reuse-cache-blocks", type=int, default=None,
+                   help="host tier with QUEST / STREAMING: GPU blocks per layer of the reuse cache (0: none; "
+                        "default: the engine's)")
     p.add_argument("--sparse-threshold", type=float, default=0.97,
                    help="XATTN_BSA: share of the estimated attention mass kept per query block, in [0, 1] "
                         "(default 0.97)")
@@ -143,6 +209,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: the model's dtype on GPU, float32 on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def _policy_names() -> list[str]:
+    from nanovllm.sparse import policy_names
+
+    return policy_names()
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
@@ -202,10 +274,20 @@ def tier_moves(llm) -> tuple[int, int] | None:
     return stats["loaded_blocks"], stats["spilled_blocks"]
 
 
-def sparse_stats_text(stats: dict | None) -> str:
-    """One line of :meth:`nanovllm.LLM.get_sparse_stats`: the policy, prefill compute and
-    communication density, decode density (share of the KV read) and communication density ("-"
-    where nothing was counted)."""
+def sparse_options(llm) -> dict:
+    """The engine options its sparse policy reads (the policy's declared ``options``), as the
+    engine runs them (a deprecated ``sparse_topk_blocks`` already turned into the token budget)."""
+    from nanovllm.sparse import policy_class
+
+    cfg = llm.config
+    return {name: getattr(cfg, name) for name in policy_class(cfg.sparse_policy).options}
+
+
+def sparse_stats_text(stats: dict | None, options: dict | None = None) -> str:
+    """One line of :meth:`nanovllm.LLM.get_sparse_stats`: the policy (with ``options``, from
+    :func:`sparse_options`), prefill compute and communication density, decode density (share of
+    the KV read per KV head), communication density and reuse rate ("-" where nothing was
+    counted)."""
     if stats is None:
         return "-"
 
@@ -213,6 +295,12 @@ def sparse_stats_text(stats: dict | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
     prefill, decode = stats["prefill"], stats["decode"]
-    return (f"{stats['policy']}: prefill density {fmt(prefill['density'])}, comm density "
+    policy = stats["policy"]
+    if options:
+        policy += " (" + ", ".join(f"{name.removeprefix('sparse_')}={value}" for name, value in options.items()) + ")"
+    text = (f"{policy}: prefill density {fmt(prefill['density'])}, comm density "
             f"{fmt(prefill['comm_density'])}; decode density {fmt(decode.get('density'))}, comm density "
             f"{fmt(decode['comm_density'])}")
+    if decode.get("reuse_rate") is not None:
+        text += f", reuse rate {fmt(decode['reuse_rate'])}"
+    return text

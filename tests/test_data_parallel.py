@@ -148,17 +148,19 @@ def test_sum_sparse_stats_adds_counts_and_recomputes_densities():
     def replica(kept, visible, loaded, available):
         return {"policy": "XATTN_BSA",
                 "prefill": {"density": kept / visible, "comm_density": None, "kept_blocks": kept,
-                            "visible_blocks": visible, "loaded_host_blocks": 0, "available_host_blocks": 0,
+                            "visible_blocks": visible, "loaded_host_bytes": 0, "available_host_bytes": 0,
                             "per_layer": []},
-                "decode": {"comm_density": loaded / available, "loaded_host_blocks": loaded,
-                           "available_host_blocks": available, "per_layer": []}}
+                "decode": {"comm_density": loaded / available, "loaded_host_bytes": loaded,
+                           "available_host_bytes": available, "read_tokens": None, "context_tokens": None,
+                           "per_layer": []}}
 
     a, b = replica(1, 4, 3, 4), replica(5, 6, 1, 6)
     merged = sum_sparse_stats([a, b])
     assert merged["replicas"] == [a, b] and merged["policy"] == "XATTN_BSA"
-    assert merged["prefill"] == {"kept_blocks": 6, "visible_blocks": 10, "loaded_host_blocks": 0,
-                                 "available_host_blocks": 0, "comm_density": None, "density": 0.6}
-    assert merged["decode"] == {"loaded_host_blocks": 4, "available_host_blocks": 10, "comm_density": 0.4}
+    assert merged["prefill"] == {"kept_blocks": 6, "visible_blocks": 10, "loaded_host_bytes": 0,
+                                 "available_host_bytes": 0, "comm_density": None, "density": 0.6}
+    assert merged["decode"] == {"read_tokens": None, "context_tokens": None, "loaded_host_bytes": 4,
+                                "available_host_bytes": 10, "comm_density": 0.4, "density": 1.0}
     assert sum_kv_cache_stats([{"gpu_blocks": 3, "preemptions": 1}, {"gpu_blocks": 4, "preemptions": 0}]) == \
         {"gpu_blocks": 7, "preemptions": 1}
 
@@ -176,10 +178,10 @@ def test_sum_sparse_stats_recomputes_the_decode_density_and_reuse_rate():
         return {"policy": "QUEST", **stats.to_dict(dense_prefill=True, dense_decode=dense_decode)}
 
     decode = sum_sparse_stats([replica(4, 6, 1, 2), replica(3, 12, 3, 3)])["decode"]
-    assert (decode["kept_blocks"], decode["visible_blocks"], decode["density"]) == (7, 18, 7 / 18)
-    assert (decode["reused_host_blocks"], decode["selected_host_blocks"], decode["reuse_rate"]) == (4, 5, 0.8)
+    assert (decode["read_tokens"], decode["context_tokens"], decode["density"]) == (7, 18, 7 / 18)
+    assert (decode["reused_host_pages"], decode["read_host_pages"], decode["reuse_rate"]) == (4, 5, 0.8)
     dense = sum_sparse_stats([replica(4, 6, 0, 0, True), replica(3, 12, 0, 0, True)])["decode"]
-    assert (dense["density"], dense["kept_blocks"], dense["reuse_rate"]) == (1.0, None, None)
+    assert (dense["density"], dense["read_tokens"], dense["reuse_rate"]) == (1.0, None, None)
 
 
 @pytest.mark.slow
@@ -197,10 +199,10 @@ def test_sparse_stats_gather_every_replica(llama_tied_dir):
     with build_llm(llama_tied_dir, data_parallel_size=2, **opts) as llm:
         llm.generate(prompts, greedy(6), use_tqdm=False)
         stats = llm.get_sparse_stats()
-        assert stats["decode"]["loaded_host_blocks"] > 0
+        assert stats["decode"]["loaded_host_bytes"] > 0
         assert stats == sum_sparse_stats(alone)
         llm.reset_sparse_stats()
-        assert [r["decode"]["available_host_blocks"] for r in llm.get_sparse_stats()["replicas"]] == [0, 0]
+        assert [r["decode"]["available_host_bytes"] for r in llm.get_sparse_stats()["replicas"]] == [0, 0]
 
 
 @pytest.mark.slow

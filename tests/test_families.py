@@ -86,18 +86,20 @@ def test_host_tier_with_the_gpu_tier_at_30_percent(family):
 
 
 def test_quest_with_a_budget_covering_the_context(family, monkeypatch):
-    """QUEST made to select for every sequence of 4+ blocks, with top-k above the blocks: every
-    layer scores and picks every candidate, read in place or through the ring."""
-    from nanovllm.sparse import QuestPolicy
+    """QUEST made to select for every sequence with a candidate page, with a budget above the
+    context: every layer scores and picks every candidate, read in place, from the reuse cache or
+    gathered from the host, so every host (page, KV head) is read."""
+    from nanovllm.sparse.choosing import ChoosingPolicy
 
     name, model_dir, prompts, refs = family
-    monkeypatch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 3)
+    monkeypatch.setattr(ChoosingPolicy, "selects", lambda self, num_pages: num_pages > self.num_fixed_pages)
     with build_llm(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=4, sparse_policy="QUEST",
-                   sparse_topk_blocks=16, sparse_threshold_blocks=0, **HOST) as llm:
+                   sparse_token_budget=MAX_MODEL_LEN, **HOST) as llm:
         assert_matches_transformers(name, generate_with_logits(llm, prompts, DECODE), refs, " (QUEST)")
         decode = llm.get_sparse_stats()["decode"]
-    assert decode["available_host_blocks"] > 0
-    assert decode["loaded_host_blocks"] + decode["reused_host_blocks"] == decode["available_host_blocks"]
+    read, available = decode["read_host_pages"], decode["available_host_bytes"]
+    assert read > 0 and available % read == 0, "every host page of every KV head read once per layer and step"
+    assert decode["loaded_host_bytes"] == (read - decode["reused_host_pages"]) * (available // read)
 
 
 def test_prefix_cache_hits_of_a_shared_prefix(family):

@@ -16,16 +16,19 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
         --num-ring-slots 2 --block-size 1024 --sparse-policy FULL --max-new-tokens 16
     python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
         --num-ring-slots 2 --block-size 1024 --sparse-policy XATTN_BSA --sparse-threshold 0.97
+    python tests/test_needle.py --enable-offload --input-len 4096 --needle-position 0.5 \\
+        --block-size 256 --sparse-policy QUEST --sparse-page-size 32 --sparse-token-budget 512
     python tests/test_needle.py --model DIR --device cuda --dtype bfloat16 --enable-offload ...
 
 It prints a summary (input tokens, needle depth, offload settings, the sparse policy's densities,
 answer, pass/fail, prefill and decode seconds), optionally writes it as JSON (``--json-output
 PATH``), and exits 0 on pass, 1 when the answer lacks the needle, 2 on bad arguments.
 
-pytest: offloaded engines (``enable_cpu_offload=True``, 1024-token blocks, 2 ring slots,
-float32, CPU) on SmolLM2, one per policy (FULL; XATTN_BSA with threshold 0.97, the default), and needles at
-depths 0.1, 0.5 and 0.9 of ~4K-token prompts (marked ``slow``; each CPU prefill of 4K tokens
-takes tens of seconds on 2 cores).
+pytest: offloaded engines (``enable_cpu_offload=True``, 2 ring slots, float32, CPU) on SmolLM2, one
+per policy (FULL and XATTN_BSA with threshold 0.97, the default, on 1024-token blocks; QUEST with
+32-token pages and a 512-token budget per KV head on 256-token blocks), and needles at depths 0.1,
+0.5 and 0.9 of ~4K-token prompts (marked ``slow``; each CPU prefill of 4K tokens takes tens of
+seconds on 2 cores); the argument errors, the engine options included, without a model.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm, tier_moves,
-                          resolve_model_dir, sparse_stats_text)
+                          resolve_model_dir, sparse_options, sparse_stats_text)
 
 from tools.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
 
@@ -129,6 +132,7 @@ class NeedleResult:
     loaded_blocks: int | None = None  # host-tier traffic of this run, in blocks (None without a host tier)
     spilled_blocks: int | None = None
     sparse_stats: dict | None = None  # LLM.get_sparse_stats() of this run
+    sparse_options: dict | None = None  # the options the engine's policy reads, as it runs them
 
     @property
     def needle_depth(self) -> float:
@@ -143,7 +147,7 @@ class NeedleResult:
             f"needle:         {self.needle_value} at depth {self.needle_position:g} requested, "
             f"token {self.needle_token_index} ({self.needle_depth:.3f} of the prompt)",
             f"offload:        {self._offload_text()}",
-            f"sparse:         {sparse_stats_text(self.sparse_stats)}",
+            f"sparse:         {sparse_stats_text(self.sparse_stats, self.sparse_options)}",
         ]
         if self.loaded_blocks is not None:
             lines.append(f"host tier:      {self.loaded_blocks} blocks loaded, {self.spilled_blocks} spilled")
@@ -228,6 +232,7 @@ def run_needle(llm, settings: NeedleSettings) -> NeedleResult:
         device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."),
         loaded_blocks=None if after is None else after[0] - before[0],
         spilled_blocks=None if after is None else after[1] - before[1], sparse_stats=llm.get_sparse_stats(),
+        sparse_options=sparse_options(llm),
     )
 
 
@@ -313,10 +318,14 @@ def main(argv: list[str] | None = None) -> int:
 TEST_SETTINGS = dict(enable_offload=True, block_size=1024, num_ring_slots=2, sparse_policy="FULL",
                      max_new_tokens=16, device="cpu", dtype="float32", enforce_eager=True)
 XATTN_SETTINGS = {**TEST_SETTINGS, "sparse_policy": "XATTN_BSA", "sparse_threshold": 0.97}
-# QUEST with 256-token blocks: the first and last block plus the 2 best of the 14 between them,
-# so 4 of 16 blocks per decode step (with 1024-token blocks k = 2 would read all 4).
-QUEST_SETTINGS = {**TEST_SETTINGS, "block_size": 256, "sparse_policy": "QUEST", "sparse_topk_blocks": 2,
-                  "sparse_threshold_blocks": 4}
+# QUEST with 32-token pages: each KV head reads its sink page, the 8 recent pages, the page being
+# written and its 16 best pages (a 512-token budget), ~26 of the ~128 pages of a 4K prompt (decode
+# density ~0.2); 256-token blocks, so the GPU tier's 2 blocks hold little of the context and most
+# reads come from the host. With 16-token pages (same budget, density ~0.19) the 4096-token prompt
+# loses a digit of the needle ("52213") at depths 0.1, 0.12 and 0.5, also with budgets of 1024 and
+# 2048 tokens, while the 4000- and 4050-token ones pass; 32- and 64-token pages pass them all (CPU).
+QUEST_SETTINGS = {**TEST_SETTINGS, "block_size": 256, "sparse_policy": "QUEST", "sparse_page_size": 32,
+                  "sparse_token_budget": 512}
 TEST_MAX_INPUT_LEN = 4096
 TEST_CASES = [(0.1, 4096), (0.5, 4000), (0.9, 4050)]
 TEST_IDS = [f"depth{p}-{n}tok" for p, n in TEST_CASES]
@@ -384,12 +393,17 @@ def test_needle_offload_4k_xattn(xattn_needle_llm, position, input_len):
 @pytest.mark.slow
 @pytest.mark.parametrize("position,input_len", TEST_CASES, ids=TEST_IDS)
 def test_needle_offload_4k_quest(quest_needle_llm, position, input_len):
-    """QUEST decode reads a quarter of the blocks and still finds the needle."""
+    """QUEST decode reads a fifth of the context per KV head (sinks, recent pages and its picks)
+    and still finds the needle."""
     settings = NeedleSettings(input_len=input_len, needle_position=position, **QUEST_SETTINGS)
     result = run_needle(quest_needle_llm, settings)
     decode = result.sparse_stats["decode"]
     assert result.sparse_stats["policy"] == "QUEST"
+    assert result.sparse_options["sparse_token_budget"] == 512 and result.sparse_options["sparse_page_size"] == 32
+    assert 0.0 < decode["density"] <= 0.25, result.summary()
+    assert decode["read_tokens"] < decode["context_tokens"], result.summary()
     assert 0.0 < decode["comm_density"] <= 0.3, result.summary()
+    assert decode["read_host_pages"] > 0 and 0.0 <= decode["reuse_rate"] <= 1.0, result.summary()
     _check_needle_result(result, settings, position)
 
 
@@ -408,6 +422,18 @@ def test_needle_argument_errors(capsys):
         (["--sparse-policy", "XATTN_BSA", "--sparse-threshold", "1.2"], "sparse-threshold must be in [0, 1]"),
         (["--sparse-policy", "XATTN_BSA", "--sparse-stride", "3"], "sparse-stride must be a power of two"),
         (["--enable-offload", "--input-len", "4096", "--num-cpu-blocks", "2"], "num-cpu-blocks=2 cannot hold"),
+        (["--sparse-policy", "QUEST", "--sparse-page-size", "48"], "sparse-page-size must be one of [16, 32, 64]"),
+        (["--sparse-page-size", "64", "--block-size", "256", "--sparse-token-budget", "0"],
+         "sparse-token-budget must be an integer >= 1"),
+        (["--sparse-group-score", "mean"], "sparse-group-score must be one of ['max', 'sum']"),
+        (["--sparse-dense-layers", "-1"], "sparse-dense-layers must be an integer >= 0"),
+        (["--sparse-policy", "STREAMING", "--sparse-recent-tokens", "9000"],
+         "sparse-recent-tokens must be an integer in [0, 4112]"),
+        (["--sparse-sink-tokens", "-1"], "sparse-sink-tokens must be an integer in [0, 4112]"),
+        (["--sparse-topk-blocks", "0"], "sparse-topk-blocks must be >= 1"),
+        (["--sparse-topk-blocks", "4", "--sparse-token-budget", "512"], "give --sparse-token-budget only"),
+        (["--sparse-policy", "QUEST", "--num-reuse-cache-blocks", "4"], "needs --enable-offload"),
+        (["--enable-offload", "--sparse-policy", "FULL", "--num-reuse-cache-blocks", "4"], "needs --enable-offload"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:

@@ -20,7 +20,7 @@ CONFIGS = {
     "full": {},
     "xattn_bsa": dict(sparse_policy="XATTN_BSA", sparse_threshold=0.5, sparse_block_size=64, sparse_stride=8),
     "tiered_quest": dict(enable_cpu_offload=True, num_kvcache_blocks=2, num_cpu_kvcache_blocks=8, sparse_policy="QUEST",
-                          sparse_topk_blocks=1, sparse_threshold_blocks=1),
+                          sparse_token_budget=32),
 }
 
 CHILD = """

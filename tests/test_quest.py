@@ -1,190 +1,239 @@
-"""QUEST decode policy: the key min/max bound, the scoring kernel against its reference (under
-Triton's interpreter here, bfloat16 on the GPU in tests/gpu/test_quest_gpu.py), block selection,
-its metadata across tiers, and tensor parallelism (equality with FULL when every block is picked,
-and the reuse cache: tests/test_tiers.py, tests/test_reuse.py)."""
+"""QUEST decode, per KV head at page granularity (nanovllm/sparse/quest.py, ops/quest_scores.py):
+the key min/max bound, the scoring kernel against its reference (under Triton's interpreter here,
+bfloat16 on the GPU in tests/gpu/test_quest_gpu.py), the per-head choice, its metadata across
+tiers, the options, STREAMING, tensor parallelism (equality with FULL when every page is picked:
+tests/test_tiers.py; the reuse cache: tests/test_reuse.py)."""
+import warnings
+
 import pytest
 import torch
 
 from _interpreter import interpreted_only, run_interpreted_tests
-from _util import build_llm, greedy, random_prompt
-from nanovllm.sparse.quest import QUEST_PAGE_SIZE, QuestPolicy
-from nanovllm.ops.quest_scores import (block_scores, quest_bounds, quest_bounds_ref, quest_head_bounds,
-                                          select_top_blocks, top_blocks, top_blocks_ref)
+from _util import build_llm, generate_with_logits, greedy, random_prompt
+from nanovllm.ops.quest_scores import page_bounds, page_bounds_ref, page_scores, top_pages
+from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
+from nanovllm.sparse.choosing import ChoosingPolicy
 
 
-def test_bounds_bound_every_key_of_the_block_per_head():
-    torch.manual_seed(0)
-    keys = torch.randn(2, 6, 3, 16, 2, 8)  # [seqs, blocks, pages, tokens, Hkv, D]
-    q = torch.randn(2, 4, 8)  # Hq = 4, GQA 2:1
-    bounds = quest_head_bounds(q, keys.amin(3), keys.amax(3))
-    assert bounds.shape == (2, 6, 4)
-    for s in range(2):
-        for h in range(4):
-            assert torch.all(bounds[s, :, h] >= (keys[s, :, :, :, h // 2] @ q[s, h]).flatten(1).amax(1) - 1e-5)
-    one_key = keys[:, :, :1, :1]  # one page of one token: the bound is exact
-    exact = torch.stack([torch.stack([(one_key[s, :, 0, 0, h // 2] @ q[s, h]) for h in range(4)], 1)
-                         for s in range(2)])
-    torch.testing.assert_close(quest_head_bounds(q, one_key.amin(3), one_key.amax(3)), exact)
+def _keys_and_bounds(pages, page_size, heads_kv, dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(pages, page_size, heads_kv, dim, generator=gen)
+    return keys, keys.amin(1), keys.amax(1)
 
 
-def test_block_scores_sum_each_heads_shares():
-    """Each head's bounds become a softmax over the candidate blocks, summed over heads: a head
-    with a sharp favourite outvotes one whose bounds are large but flat (the largest bound over
-    heads would pick the flat head's block); rows without candidates stay -inf."""
-    inf = float("-inf")
-    flat, sharp = [50.0, 50.5, 50.0, inf], [0.0, 0.0, 20.0, inf]
-    bounds = torch.tensor([[flat, sharp], [[inf] * 4, [inf] * 4]]).transpose(1, 2)  # [S=2, M=4, Hq=2]
-    scores = block_scores(bounds, 1.0)
-    assert bounds.amax(2)[0].argmax().item() == 1, "max over heads: the flat head's best block"
-    assert scores[0].argmax().item() == 2
-    shares = torch.softmax(bounds[0], 0)
-    torch.testing.assert_close(scores[0, :3], shares.sum(1)[:3])
-    assert torch.isneginf(scores[0, 3]) and torch.isneginf(scores[1]).all()
-    assert select_top_blocks(scores, 1).tolist() == [[2], [-1]]
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 2), (6, 3), (2, 2)])
+def test_bounds_bound_every_key_of_the_page_per_query_head(heads_q, heads_kv):
+    keys, kmin, kmax = _keys_and_bounds(9, 16, heads_kv, 8)
+    q = torch.randn(3, heads_q, 8)
+    pages = torch.tensor([[0, 4, 8, -1], [1, 2, 3, 5], [7, -1, -1, -1]])
+    bounds = page_bounds_ref(q, kmin, kmax, pages)
+    group = heads_q // heads_kv
+    for s in range(3):
+        for c, page in enumerate(pages[s].tolist()):
+            if page < 0:
+                assert torch.isneginf(bounds[s, c]).all()
+                continue
+            for h in range(heads_q):
+                scores = keys[page, :, h // group] @ q[s, h]
+                assert scores.max() <= bounds[s, c, h] + 1e-5  # an upper bound over the page's keys
+                exact = (torch.maximum(q[s, h] * kmin[page, h // group], q[s, h] * kmax[page, h // group])).sum()
+                assert bounds[s, c, h] == pytest.approx(exact.item(), abs=1e-5)
 
 
-def _bounds(num_slots, pages, heads_kv, dim, dtype=torch.float32, seed=0):
-    keys = torch.randn(num_slots, pages, QUEST_PAGE_SIZE, heads_kv, dim, generator=torch.Generator().manual_seed(seed))
-    return keys.amin(2).to(dtype), keys.amax(2).to(dtype)
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_page_scores_combine_each_query_heads_shares_within_its_group(combine):
+    bounds = torch.randn(2, 5, 4)
+    bounds[1, 3:] = float("-inf")  # not candidates
+    scores = page_scores(bounds, 0.5, 2, combine)
+    assert scores.shape == (2, 2, 5)
+    shares = torch.softmax(bounds * 0.5, dim=1).nan_to_num(0.0).view(2, 5, 2, 2)
+    expected = (shares.amax(3) if combine == "max" else shares.sum(3)).transpose(1, 2)
+    assert torch.allclose(scores[0], expected[0])
+    assert torch.allclose(scores[1, :, :3], expected[1, :, :3]) and torch.isneginf(scores[1, :, 3:]).all()
+    with pytest.raises(ValueError, match="combine must be one of"):
+        page_scores(bounds, 0.5, 2, "mean")
 
 
-SLOTS = torch.tensor([[0, 3, -1, 6], [5, -1, -1, 2], [-1, -1, -1, -1]])
-
-
-def test_bounds_of_slots_are_the_bounds_of_the_gathered_pages():
-    kmin, kmax = _bounds(7, 5, 2, 8)
-    q = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
-    bounds = quest_bounds(q, kmin, kmax, SLOTS)
-    assert bounds.shape == (3, 4, 6)
-    assert torch.equal(bounds, quest_bounds_ref(q, kmin, kmax, SLOTS)), "CPU dispatches to the reference"
-    for s, row in enumerate(SLOTS.tolist()):
-        for m, slot in enumerate(row):
-            want = torch.full((6,), float("-inf")) if slot < 0 else quest_head_bounds(
-                q[s:s + 1], kmin[slot][None, None], kmax[slot][None, None])[0, 0]
-            torch.testing.assert_close(bounds[s, m], want, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="slots must be int64"):
-        quest_bounds(q, kmin, kmax, SLOTS.int())
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        quest_bounds(q[:, :5], kmin, kmax, SLOTS)
+def test_top_pages_takes_each_heads_best_and_marks_missing_picks():
+    scores = torch.tensor([[[0.1, 0.9, 0.5, float("-inf")], [0.8, 0.2, 0.3, float("-inf")]]])
+    picks = top_pages(scores, 2)
+    assert picks.tolist() == [[[1, 2], [0, 2]]], "each KV head its own best pages, best first"
+    assert top_pages(scores, 4).tolist() == [[[1, 2, 0, -1], [0, 2, 1, -1]]]
 
 
 @interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreted_quest_bounds_kernel_equals_reference(dtype):
-    """Pages not a multiple of the kernel's tile (80 of 64), GQA 3:1 padded to 16 rows, head_dim
-    24 padded to 32, rows without candidates."""
-    kmin, kmax = _bounds(7, 80, 2, 24, dtype)
-    q = torch.randn(3, 6, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
-    got, want = quest_bounds(q, kmin, kmax, SLOTS), quest_bounds_ref(q, kmin, kmax, SLOTS)
-    assert torch.equal(torch.isinf(got), (SLOTS < 0)[..., None].expand_as(got))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-
-
-def random_bounds(seed: int, seqs: int, blocks: int, heads: int) -> torch.Tensor:
-    """float32 ``[S, M, Hq]`` bounds, about a third of the blocks not candidates (-inf for every
-    head) and the last sequence without any candidate."""
-    gen = torch.Generator().manual_seed(seed)
-    bounds = torch.randn(seqs, blocks, heads, generator=gen) * 3
-    bounds[torch.rand(seqs, blocks, generator=gen) < 0.3] = float("-inf")
-    bounds[-1] = float("-inf")
-    return bounds
-
-
-def assert_same_picks(got: torch.Tensor, bounds: torch.Tensor, scale: float, topk: int):
-    """``got`` picks what :func:`top_blocks_ref` picks: the same -1 entries and, best first, the
-    same scores (to float rounding, so that a near-tie may pick either block)."""
-    want = top_blocks_ref(bounds, scale, topk)
-    assert got.shape == want.shape and got.dtype == torch.int64
-    assert torch.equal(got < 0, want < 0)
-    scores = block_scores(bounds, scale)
-    valid = want >= 0
-    torch.testing.assert_close(scores.gather(1, got.clamp(min=0))[valid], scores.gather(1, want.clamp(min=0))[valid],
-                               rtol=0, atol=1e-5)
-    for row in got.tolist():
-        picked = [c for c in row if c >= 0]
-        assert len(set(picked)) == len(picked)
-
-
-@interpreted_only
-@pytest.mark.parametrize("blocks,heads,topk", [(37, 6, 4), (9, 14, 16), (600, 14, 8)])
-def test_interpreted_top_blocks_kernel_equals_reference(blocks, heads, topk):
-    """Fewer candidates than top-k (-1 padding), a sequence without candidates, and (600 blocks)
-    heads in several tiles."""
-    for seed in range(3):
-        bounds = random_bounds(seed, 4, blocks, heads)
-        assert_same_picks(top_blocks(bounds, 0.125, topk), bounds, 0.125, topk)
-
-
-def test_top_blocks_checks_its_arguments():
-    bounds = random_bounds(0, 2, 5, 4)
-    with pytest.raises(ValueError, match="bounds must be float32"):
-        top_blocks(bounds.double(), 1.0, 2)
-    with pytest.raises(ValueError, match="topk must be >= 1, got 0"):
-        top_blocks(bounds, 1.0, 0)
+@pytest.mark.parametrize("heads_q, heads_kv, dim", [(4, 2, 32), (8, 8, 64), (6, 2, 40)])
+def test_interpreted_page_bounds_kernel_equals_reference(dtype, heads_q, heads_kv, dim):
+    _, kmin, kmax = _keys_and_bounds(200, 16, heads_kv, dim)
+    kmin, kmax = kmin.to(dtype), kmax.to(dtype)
+    q = torch.randn(3, heads_q, dim).to(dtype)
+    pages = torch.randint(0, 200, (3, 130))
+    pages[1, 70:] = -1
+    got = page_bounds(q, kmin, kmax, pages)
+    ref = page_bounds_ref(q, kmin, kmax, pages)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    finite = torch.isfinite(ref)
+    assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-3)
 
 
 def test_triton_kernel_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=5)
+    run_interpreted_tests(__file__, min_passed=6)
 
 
-def test_selection_takes_the_best_candidates():
-    inf = float("-inf")
-    scores = torch.tensor([[inf, 5.0, -1.0, 9.0, 3.0, inf], [inf, 1.0, 7.0, inf, inf, inf]])
-    assert select_top_blocks(scores, 2).tolist() == [[3, 1], [2, 1]]
-    assert select_top_blocks(scores, 3).tolist() == [[3, 1, 4], [2, 1, -1]], "-1: fewer candidates than k"
-    assert select_top_blocks(scores, 9).shape == (2, 6)
+def _policy(**kw):
+    opts = dict(page_size=16, budget_tokens=32, sink_tokens=16, recent_tokens=16)
+    opts.update(kw)
+    return QuestPolicy(0.25, **opts)
 
 
-def test_policy_picks_the_best_middle_blocks_of_both_tiers():
-    """Slots from DecodeSelection: blocks 0, n-2 and n-1 are fixed (never candidates), host blocks
-    are scored from their host-tier bounds."""
-    from nanovllm.kvcache.tier_rows import TierRows
-    from nanovllm.kvcache.selection import DecodeSelection
-
-    layers, block, heads, dim, gpu_blocks = 1, 64, 2, 8, 8
-    policy = QuestPolicy(dim ** -0.5, topk_blocks=2, threshold_blocks=0)
-    policy.allocate(layers, block, heads, dim, torch.float32, torch.device("cpu"), gpu_blocks, 4)
-    gen = torch.Generator().manual_seed(3)
-    policy.kmin.copy_(torch.randn(policy.kmin.shape, generator=gen))
-    policy.kmax.copy_(policy.kmin + torch.rand(policy.kmin.shape, generator=gen))
-    tables = [([0, -1, 5, -1, 6, 1, 7], [-1, 2, -1, 0, -1, -1, -1], 6 * block + 3)]
-    selection = DecodeSelection.build(policy, tables, TierRows(layers, gpu_blocks, 2), gpu_blocks, block,
-                                      torch.device("cpu"))
-    assert selection.blocks.slots.tolist() == [[-1, gpu_blocks + 2, 5, gpu_blocks + 0, 6, -1, -1]]
-    q = torch.randn(1, 4, dim, generator=gen)
-    picks = policy.select_decode_blocks(0, q, selection.blocks)[0].tolist()
-    slots = [gpu_blocks + 2, 5, gpu_blocks, 6]
-    bounds = torch.cat([quest_head_bounds(q, policy.kmin[0, s][None, None], policy.kmax[0, s][None, None])[0]
-                        for s in slots])  # [4 candidates, Hq]
-    scores = torch.softmax(bounds * dim ** -0.5, 0).sum(1).tolist()
-    best = sorted(range(4), key=lambda i: -scores[i])[:2]
-    assert sorted(picks) == sorted(i + 1 for i in best)
+def test_two_kv_heads_that_need_different_pages_each_read_their_own():
+    """Head 0's query points at page 5's keys, head 1's at page 9's: each KV head picks its own
+    pages (Quest chooses per head; one choice for all heads would serve one of them)."""
+    policy = _policy(budget_tokens=16)  # one pick per head
+    dim, heads = 8, 2
+    policy.allocate(1, 256, heads, dim, torch.float32, torch.device("cpu"), 2, 0)
+    direction = torch.zeros(heads, dim)
+    direction[0, 0], direction[1, 1] = 1.0, 1.0
+    policy.kmin.fill_(-0.1)
+    policy.kmax.fill_(0.1)
+    policy.kmax[0, 0, 5, 0, 0] = 8.0  # block 0, page 5, KV head 0, dim 0
+    policy.kmax[0, 0, 9, 1, 1] = 8.0  # block 0, page 9, KV head 1, dim 1
+    q = (direction * 3).repeat_interleave(2, 0)[None]  # [1, Hq=4, D]: GQA 2 query heads per KV head
+    candidates = DecodeCandidates([0], torch.arange(1, 15)[None], first=1, num_kv_heads=2)  # metadata pages 1..14 of block 0
+    picks = policy.select_decode_pages(0, q, candidates)
+    assert picks.shape == (1, heads, 1)
+    assert (picks[0, :, 0] + candidates.first).tolist() == [5, 9]
 
 
-def test_bounds_follow_a_block_from_the_gpu_tier_to_the_host_tier():
-    policy = QuestPolicy(0.1, topk_blocks=1, threshold_blocks=0)
-    layers, block, heads, dim = 2, 64, 2, 8
-    policy.allocate(layers, block, heads, dim, torch.float32, torch.device("cpu"), 4, 3)
-    k_cache = torch.randn(layers, 4, block, heads, dim)
-    policy.on_blocks_full(k_cache, torch.tensor([2, 0]))
-    pages = k_cache[:, 2].view(layers, block // QUEST_PAGE_SIZE, QUEST_PAGE_SIZE, heads, dim)
-    assert torch.equal(policy.kmin[:, 2], pages.amin(2))
-    policy.on_spill(torch.tensor([2]), torch.tensor([1]))
-    assert torch.equal(policy.kmax[:, 4 + 1], pages.amax(2)), "host block 1 is metadata slot 4 + 1"
-    assert torch.equal(policy.kmin[:, 4 + 1], pages.amin(2))
-    assert policy.metadata_bytes_per_block(layers, block, heads, dim, torch.float32) == \
-        2 * layers * (block // QUEST_PAGE_SIZE) * heads * dim * 4
+def test_metadata_follows_a_block_from_the_gpu_tier_to_the_host_tier():
+    policy = _policy()
+    policy.allocate(2, 64, 2, 8, torch.float32, torch.device("cpu"), 3, 4)
+    k_cache = torch.randn(2, 3, 64, 2, 8)
+    policy.on_pages_full(k_cache, torch.tensor([1]))
+    pages = k_cache[:, 1].view(2, 4, 16, 2, 8)
+    assert torch.equal(policy.kmin[:, 1], pages.amin(2)) and torch.equal(policy.kmax[:, 1], pages.amax(2))
+    policy.on_spill(torch.tensor([1]), torch.tensor([2]))
+    assert torch.equal(policy.kmax[:, 3 + 2], policy.kmax[:, 1]), "host block 2 is metadata slot 3 + 2"
+    assert policy.metadata_bytes_per_block(2, 64, 2, 8, torch.float32) == 2 * 2 * 4 * 2 * 8 * 4
 
 
+def test_page_bounds_are_current_once_each_page_is_full(qwen3_dir):
+    """The bounds of a page are computed after the step that fills it, not when its block fills:
+    mid-block, every full page of the block being written has its keys' min and max (a candidate
+    there with stale bounds would be scored from another sequence's keys)."""
+    with build_llm(qwen3_dir, sparse_policy="QUEST", sparse_token_budget=64, sparse_sink_tokens=16,
+                   sparse_recent_tokens=16) as llm:
+        llm.add_request(random_prompt(300, seed=8), greedy(4))
+        for _ in range(3):
+            llm.step()
+        seq = llm.scheduler.running[0]
+        cache = llm.model_runner.cache
+        block = seq.block_table[1]  # tokens 256..511: 300 + 2 written, so pages 0 and 1 are full
+        pages = cache.kv[0][:, block].unflatten(1, (-1, 16))  # [L, pages, 16, Hkv, D]
+        for page in range(2):
+            assert torch.equal(cache.policy.kmin[:, block, page], pages[:, page].amin(1))
+            assert torch.equal(cache.policy.kmax[:, block, page], pages[:, page].amax(1))
+        while not llm.is_finished():
+            llm.step()
+
+
+def test_a_sequence_selects_only_with_more_candidates_than_its_budget():
+    policy = _policy()  # 1 sink page, 1 recent page + the page being written, 2 picked pages
+    assert policy.num_fixed_pages == 3 and policy.budget_pages == 2
+    assert not policy.selects(5) and policy.selects(6)
+    sink, tail = policy.fixed_pages(10)
+    assert list(sink) == [0] and list(tail) == [8, 9]
+    assert StreamingPolicy(0.25, 16, 16, 16).budget_pages == 0
+
+
+def test_options_are_checked(qwen3_dir):
+    from nanovllm.config import Config
+
+    quest = dict(sparse_policy="QUEST", max_model_len=1024)
+    for bad, match in ((dict(sparse_page_size=48), "sparse_page_size must be one of"),
+                       (dict(sparse_page_size=64, kvcache_block_size=256), None),
+                       (dict(sparse_token_budget=0), "sparse_token_budget must be >= 1"),
+                       (dict(sparse_sink_tokens=2000), r"sparse_sink_tokens must be in \[0, 1024\]"),
+                       (dict(sparse_recent_tokens=-1), r"sparse_recent_tokens must be in \[0, 1024\]"),
+                       (dict(sparse_dense_layers=-1), "sparse_dense_layers must be >= 0"),
+                       (dict(sparse_group_score="mean"), "sparse_group_score must be one of"),
+                       (dict(sparse_topk_blocks=2, sparse_token_budget=100), "both set the budget")):
+        if match is None:
+            Config(qwen3_dir, **quest, **bad)
+            continue
+        with pytest.raises(ValueError, match=match):
+            Config(qwen3_dir, **quest, **bad)
+    with pytest.warns(DeprecationWarning, match="sparse_topk_blocks is deprecated"):
+        config = Config(qwen3_dir, **quest, sparse_topk_blocks=3)
+    assert config.sparse_token_budget == 3 * 256 and config.sparse_topk_blocks is None
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        build_llm(qwen3_dir, sparse_threshold_blocks=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config(qwen3_dir, sparse_policy="STREAMING")
+
+
+def test_streaming_reads_sinks_and_the_recent_window(qwen3_dir):
+    """STREAMING reads each sequence's sink page and its recent pages; with a window covering the
+    context it reads everything: FULL's tokens and logits."""
+    prompts = [random_prompt(n, seed=500 + n) for n in (300, 700)]
+    with build_llm(qwen3_dir) as full:
+        ref = generate_with_logits(full, prompts, 8)
+    with build_llm(qwen3_dir, sparse_policy="STREAMING", sparse_recent_tokens=1024) as llm:
+        got = generate_with_logits(llm, prompts, 8)
+        assert llm.get_sparse_stats()["decode"]["density"] == 1.0
+    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
+    with build_llm(qwen3_dir, sparse_policy="STREAMING", sparse_sink_tokens=16, sparse_recent_tokens=64) as llm:
+        llm.generate(prompts, greedy(4), use_tqdm=False)
+        decode = llm.get_sparse_stats()["decode"]
+    # each step: 1 sink page + 4 recent pages + the page being written, per sequence and layer
+    assert decode["density"] < 0.5 and decode["read_tokens"] < decode["context_tokens"]
+
+
+def test_density_counts_the_always_read_pages(qwen3_dir, monkeypatch):
+    """A step of a choosing sequence reads its sink, recent and current pages and its picks: with
+    one 16-token sink page, one recent page, the current page and 2 picks, 5 pages per KV head
+    less the current page's unwritten tokens."""
+    prompt = random_prompt(600, seed=7)
+    with build_llm(qwen3_dir, sparse_policy="QUEST", sparse_token_budget=32, sparse_sink_tokens=16,
+                   sparse_recent_tokens=16) as llm:
+        llm.generate([prompt], greedy(3), use_tqdm=False)
+        decode = llm.get_sparse_stats()["decode"]
+    layers = llm.config.hf_config.num_hidden_layers
+    # decode steps at lengths 601, 602 (the third token comes from the last step's logits)
+    expected = sum(5 * 16 - (-length % 16) for length in (601, 602)) * layers
+    assert decode["read_tokens"] == expected and decode["context_tokens"] == (601 + 602) * layers
+
+
+@pytest.mark.slow
 def test_quest_tensor_parallel_selects_like_tp1(llama_tied_dir):
-    """Each rank scores blocks with its own query heads; the ranks sum the heads' shares
-    (all-reduce), so TP=2 selects TP=1's blocks and gives its tokens, in both tiers."""
+    """Each rank chooses for its own KV heads (no scores exchanged), so TP=2 reads TP=1's pages
+    and gives its tokens, in both tiers."""
     prompts = [random_prompt(n, seed=300 + n) for n in (1300, 1500)]
     opts = dict(max_model_len=1536, enable_cpu_offload=True, num_kvcache_blocks=6, num_ring_slots=2,
-                num_cpu_kvcache_blocks=16, sparse_policy="QUEST", sparse_topk_blocks=1, sparse_threshold_blocks=2)
+                num_cpu_kvcache_blocks=16, sparse_policy="QUEST", sparse_token_budget=64, sparse_sink_tokens=16,
+                sparse_recent_tokens=32)
     with build_llm(llama_tied_dir, **opts) as tp1:
         ref = [o["token_ids"] for o in tp1.generate(prompts, greedy(30), use_tqdm=False)]
         assert tp1.get_kv_cache_stats()["spilled_blocks"] > 0
+        assert tp1.get_sparse_stats()["decode"]["density"] < 0.5
     with build_llm(llama_tied_dir, tensor_parallel_size=2, **opts) as tp2:
         out = [o["token_ids"] for o in tp2.generate(prompts, greedy(30), use_tqdm=False)]
     assert out == ref
+
+
+def test_quest_with_prefix_cache_hits_equals_full(qwen3_dir, monkeypatch):
+    """Prompts sharing a cached prefix: QUEST selecting every page reads the shared blocks where
+    the prefix cache put them and gives FULL's tokens and logits."""
+    monkeypatch.setattr(ChoosingPolicy, "selects", lambda self, num_pages: num_pages > self.num_fixed_pages)
+    shared = random_prompt(512, seed=11)
+    prompts = [shared + random_prompt(n, seed=12 + n) for n in (40, 300)]
+    with build_llm(qwen3_dir) as full:
+        full.generate([shared + [5]], greedy(1), use_tqdm=False)
+        ref = generate_with_logits(full, prompts, 8)
+    with build_llm(qwen3_dir, sparse_policy="QUEST", sparse_token_budget=1024) as llm:
+        llm.generate([shared + [5]], greedy(1), use_tqdm=False)
+        got = generate_with_logits(llm, prompts, 8)
+        assert llm.get_kv_cache_stats()["prefix_cache_hit_tokens"] >= 2 * 512
+    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))

@@ -18,6 +18,8 @@ Command line (the model defaults to SmolLM2-135M-Instruct, fetched once with
         --enable-offload --block-size 1024 --num-ring-slots 2 --sparse-policy FULL
     python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 \\
         --enable-offload --block-size 1024 --num-ring-slots 2 --sparse-policy XATTN_BSA --sparse-threshold 0.9
+    python tests/test_ruler.py --tasks all --num-samples 5 --input-len 4096 --max-num-seqs 5 \\
+        --sparse-policy QUEST --sparse-page-size 32 --sparse-token-budget 1024 --sparse-group-score sum
     python tests/test_ruler.py --model DIR --device cuda --dtype bfloat16 --tasks vt,cwe ...
 
 It prints a per-task table (task, samples, mean score, seconds), the overall mean (the mean
@@ -26,8 +28,9 @@ writes everything as JSON (``--json-output PATH``: settings, per-sample outputs,
 and ``sparse_stats``), and exits 0 after a completed run (the scores are a measurement, not a
 pass/fail), 2 on bad arguments.
 
-pytest: the CLI's argument errors and one small end-to-end CLI run (niah_single_numbers, one
-~1000-token prompt, offloaded KV, CPU); the generator's own tests are in test_ruler_tasks.py.
+pytest: the CLI's argument errors, the engine options reaching the engine's ``Config``, and
+small end-to-end CLI runs (niah_single_numbers, one ~1000-token prompt, offloaded KV, CPU; FULL,
+and QUEST choosing pages from the host tier); the generator's own tests are in test_ruler_tasks.py.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
-                          resolve_model_dir, sparse_stats_text)
+                          resolve_model_dir, sparse_options, sparse_stats_text)
 
 from tools import ruler
 
@@ -122,6 +125,7 @@ class RulerReport:
     device: str = ""
     dtype: str = ""
     sparse_stats: dict | None = None  # LLM.get_sparse_stats() over the whole evaluation
+    sparse_options: dict | None = None  # the options the engine's policy reads, as it runs them
 
     @property
     def overall(self) -> float:
@@ -147,13 +151,14 @@ class RulerReport:
         head = [f"model:       {self.model} ({self.device}, {self.dtype})",
                 f"input len:   {self.input_len} tokens per prompt",
                 f"offload:     {offload}",
-                f"sparse:      {sparse_stats_text(self.sparse_stats)}", ""]
+                f"sparse:      {sparse_stats_text(self.sparse_stats, self.sparse_options)}", ""]
         return "\n".join(head) + self.table()
 
     def to_json(self) -> dict:
         return {"model": self.model, "device": self.device, "dtype": self.dtype,
                 "input_len": self.input_len, "settings": self.settings, "offload": self.offload,
-                "sparse_stats": self.sparse_stats, "overall_mean_score": self.overall,
+                "sparse_stats": self.sparse_stats, "sparse_options": self.sparse_options,
+                "overall_mean_score": self.overall,
                 "tasks": [{**asdict(r), "mean_score": r.mean, "num_samples": len(r.scores)}
                           for r in self.results]}
 
@@ -196,7 +201,8 @@ def run_ruler(llm, settings: RulerSettings, samples: dict[str, list[dict]] | Non
             log(f"{task}: mean score {result.mean:.3f} over {len(batch)} samples ({seconds:.1f} s)")
     return RulerReport(results=results, input_len=settings.input_len, settings=asdict(settings),
                        offload=engine_offload(llm), model=str(cfg.model), device=cfg.device,
-                       dtype=str(cfg.dtype).removeprefix("torch."), sparse_stats=llm.get_sparse_stats())
+                       dtype=str(cfg.dtype).removeprefix("torch."), sparse_stats=llm.get_sparse_stats(),
+                       sparse_options=sparse_options(llm))
 
 
 # ---- command line ------------------------------------------------------------------------
@@ -291,6 +297,11 @@ def test_cli_argument_errors(capsys):
         (["--block-size", "1000"], "block-size must be a positive multiple of 256"),
         (["--enable-offload", "--sparse-policy", "NOPE"], "sparse-policy must be one of"),
         (["--sparse-threshold", "-0.5"], "sparse-threshold must be in [0, 1]"),
+        (["--sparse-page-size", "128"], "sparse-page-size must be one of [16, 32, 64]"),
+        (["--sparse-policy", "QUEST", "--sparse-token-budget", "-5"], "sparse-token-budget must be an integer >= 1"),
+        (["--sparse-group-score", "MAX"], "sparse-group-score must be one of ['max', 'sum']"),
+        (["--sparse-dense-layers", "-2"], "sparse-dense-layers must be an integer >= 0"),
+        (["--sparse-topk-blocks", "2", "--sparse-token-budget", "4096"], "give --sparse-token-budget only"),
         (["--input-len", "9000", "--tasks", "vt"], "exceeds the model's max_position_embeddings=8192"),
         (["--input-len", "100", "--tasks", "cwe"], "input_len=100 is too small for task 'cwe'"),
     ]
@@ -303,21 +314,66 @@ def test_cli_argument_errors(capsys):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_block_size_reaches_the_engine_with_and_without_the_host_tier(offload):
-    """QUEST selects blocks in both tiers, so --block-size must size the KV blocks without the host
+    """QUEST chooses pages in both tiers, so --block-size must size the KV blocks without the host
     tier too (session 7's QUEST rows without it ran the engine's 256-token default)."""
     kw = RulerSettings(tasks=["vt"], enable_offload=offload, block_size=512, sparse_policy="QUEST").engine_kwargs()
     assert kw["kvcache_block_size"] == 512
     assert kw.get("enable_cpu_offload", False) is offload
 
 
-def test_cli_end_to_end_small(tmp_path, capsys):
+def test_sparse_options_reach_the_engine():
+    """Every sparse option of the CLI becomes the engine's own (its ``Config`` accepts them), with
+    the engine's defaults, and the deprecated --sparse-topk-blocks is left to the engine, which
+    turns it into the token budget."""
+    import dataclasses
+    import warnings
+
+    from nanovllm.config import Config, check_engine_args
+    from nanovllm.fetch import fetch_model
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    ours = {f.name: f.default for f in dataclasses.fields(RulerSettings)}
+    for name in ("sparse_policy", "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens",
+                 "sparse_recent_tokens", "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks",
+                 "sparse_threshold", "sparse_stride"):
+        assert ours[name] == defaults[name], name
+
+    model = fetch_model()
+    args = build_parser().parse_args(["--tasks", "vt", "--sparse-policy", "streaming", "--sparse-page-size", "32",
+                                      "--sparse-sink-tokens", "64", "--sparse-recent-tokens", "512",
+                                      "--sparse-dense-layers", "2", "--enable-offload", "--block-size", "512",
+                                      "--num-reuse-cache-blocks", "3", "--device", "cpu"])
+    settings = RulerSettings(tasks=args.tasks, **engine_fields(args))
+    settings.validate()
+    kw = settings.engine_kwargs()
+    check_engine_args(kw)
+    cfg = Config(model, **kw)
+    assert (cfg.sparse_policy, cfg.sparse_page_size, cfg.sparse_sink_tokens, cfg.sparse_recent_tokens,
+            cfg.sparse_dense_layers, cfg.num_reuse_cache_blocks) == ("STREAMING", 32, 64, 512, 2, 3)
+    settings = RulerSettings(tasks=["vt"], sparse_policy="QUEST", sparse_group_score="sum", sparse_token_budget=300,
+                             device="cpu")
+    cfg = Config(model, **settings.engine_kwargs())
+    assert (cfg.sparse_group_score, cfg.sparse_token_budget) == ("sum", 300)
+    settings = RulerSettings(tasks=["vt"], sparse_policy="QUEST", sparse_topk_blocks=3, device="cpu")
+    settings.validate()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = Config(model, **settings.engine_kwargs())
+    assert cfg.sparse_token_budget == 3 * 1024 and any("sparse_topk_blocks" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("sparse", [[], ["--block-size", "256", "--sparse-policy", "QUEST", "--sparse-token-budget",
+                                            "64", "--sparse-recent-tokens", "64"]], ids=["full", "quest"])
+def test_cli_end_to_end_small(tmp_path, capsys, sparse):
     """One ~1000-token niah_single_numbers prompt through the offloaded engine on CPU: the run
-    completes, prints the table and scores in [0, 1] (the model's accuracy is not asserted)."""
+    completes, prints the table and scores in [0, 1] (the model's accuracy is not asserted). FULL
+    on 1024-token blocks; QUEST on 256-token blocks choosing 4 of the ~58 candidate pages per KV
+    head besides its 6 always-read ones (sink, 4 recent, the page written), most from the host."""
     out = tmp_path / "ruler.json"
     code = main(["--tasks", "niah_single", "--num-samples", "1", "--input-len", "1000",
                  "--max-new-tokens", "24", "--enable-offload", "--block-size", "1024",
                  "--num-ring-slots", "2", "--sparse-policy", "FULL", "--device", "cpu",
-                 "--dtype", "float32", "--enforce-eager", "--json-output", str(out)])
+                 "--dtype", "float32", "--enforce-eager", "--json-output", str(out), *sparse])
     assert code == 0
     printed = capsys.readouterr().out
     assert re.search(r"^task\s+samples\s+mean score", printed, re.M), printed
@@ -328,8 +384,17 @@ def test_cli_end_to_end_small(tmp_path, capsys):
     assert task["task"] == "niah_single_numbers" and task["num_samples"] == 1
     assert 0.0 <= task["mean_score"] <= 1.0 and 0.0 <= data["overall_mean_score"] <= 1.0
     assert data["offload"]["num_ring_slots"] == 2 and data["input_len"] == 1000
-    assert data["sparse_stats"]["policy"] == "FULL" and data["sparse_stats"]["prefill"]["density"] == 1.0
     assert 1 <= task["generated_tokens"][0] <= 24
+    stats = data["sparse_stats"]
+    assert stats["prefill"]["density"] == 1.0
+    if not sparse:
+        assert stats["policy"] == "FULL" and stats["decode"]["density"] == 1.0
+        return
+    decode = stats["decode"]
+    assert stats["policy"] == "QUEST" and data["sparse_options"]["sparse_token_budget"] == 64
+    assert "QUEST (page_size=16" in printed, printed
+    assert 0.0 < decode["density"] < 0.2 and decode["read_tokens"] < decode["context_tokens"], decode
+    assert 0.0 < decode["comm_density"] < 1.0 and decode["loaded_host_bytes"] > 0, decode
 
 
 if __name__ == "__main__":

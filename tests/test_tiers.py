@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _util import build_llm, generate_with_logits, greedy, random_prompt
-from nanovllm.sparse import QuestPolicy
+from nanovllm.sparse.choosing import ChoosingPolicy
 
 BLOCK = 256
 PROMPT_LENS = (1, 100, 255, 256, 257, 1000, 3000, 700)
@@ -122,41 +122,42 @@ def test_xattn_at_threshold_1_equals_full_across_tiers(qwen3_dir, prompts, refer
 
 @pytest.mark.parametrize("tiers", [dict(num_kvcache_blocks=64),
                                    dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=0),
-                                   dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=2),
+                                   dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=1),
                                    dict(num_kvcache_blocks=8, **HOST, num_reuse_cache_blocks=32)],
-                         ids=["gpu-only", "no-reuse-cache", "reuse-cache-2", "reuse-cache-32"])
-def test_quest_selecting_every_block_equals_full(qwen3_dir, prompts, references, monkeypatch, tiers):
-    """QUEST with top-k >= blocks, made to select for every sequence of 4+ blocks (its own rule
-    reads every block without selecting then): each layer scores and picks every candidate, and
-    the picks are read where they are: in place in the GPU tier,
-    through the ring (no reuse cache), through reuse-cache rows with evictions and ring overflow
-    (2 rows), or found there from the second step on (32 rows). FULL's tokens and logits."""
-    monkeypatch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 3)
-    chosen = [i for i, n in enumerate(PROMPT_LENS) if n >= 1000]  # 4+ blocks: candidates besides the 3 fixed
-    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, sparse_policy="QUEST", sparse_topk_blocks=16,
-                   sparse_threshold_blocks=0, **tiers) as llm:
-        tokens, logits = generate_with_logits(llm, [prompts[i] for i in chosen], DECODE)
+                         ids=["gpu-only", "no-reuse-cache", "reuse-cache-1", "reuse-cache-32"])
+def test_quest_selecting_every_page_equals_full(qwen3_dir, prompts, references, monkeypatch, tiers):
+    """QUEST with a budget covering the context, made to select for every sequence with a
+    candidate page (its own rule reads everything without selecting then): each layer and KV head
+    scores and picks every candidate, and the picks are read where they are: in place in the GPU
+    tier, gathered per (page, KV head) into staging pages (no reuse cache), into reuse cells with
+    evictions and staging overflow (1 row), or found there from the second step on (32 rows).
+    FULL's tokens and logits."""
+    monkeypatch.setattr(ChoosingPolicy, "selects", lambda self, num_pages: num_pages > self.num_fixed_pages)
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, sparse_policy="QUEST", sparse_token_budget=MAX_MODEL_LEN,
+                   **tiers) as llm:
+        tokens, logits = generate_with_logits(llm, prompts, DECODE)
         decode = llm.get_sparse_stats()["decode"]
     ref_tokens, ref_logits = references["qwen3"]
-    assert tokens == [ref_tokens[i] for i in chosen]
-    for i, ours in zip(chosen, logits):
-        assert (ours - ref_logits[i]).abs().max().item() <= 1e-5, f"prompt of {PROMPT_LENS[i]} tokens"
+    assert tokens == ref_tokens
+    for n, ours, ref in zip(PROMPT_LENS, logits, ref_logits):
+        assert (ours - ref).abs().max().item() <= 1e-5, f"prompt of {n} tokens"
+    assert decode["density"] == 1.0
     reuse = tiers.get("num_reuse_cache_blocks")
     if reuse is None:
         assert decode["comm_density"] is None, "no host tier"
     else:
-        assert decode["loaded_host_blocks"] + decode["reused_host_blocks"] == decode["available_host_blocks"]
+        assert 0 < decode["comm_density"] <= 1
         assert (decode["reuse_rate"] is None) == (reuse == 0)
         if reuse == 32:
-            assert decode["reuse_rate"] > 0.9, decode  # every host block is read every step: found from the 2nd on
+            assert decode["reuse_rate"] > 0.9, decode  # every host page is read every step: found from the 2nd on
 
 
-def test_quest_reads_fewer_host_blocks_and_the_reuse_cache_only_traffic(qwen3_dir, prompts):
-    """Sparse QUEST (top-k 1) reads fewer host blocks than FULL; with a reuse cache it gives the
-    same tokens and logits as without one, and the host blocks it found in the cache are exactly
-    the loads it saved."""
+def test_quest_reads_fewer_host_pages_and_the_reuse_cache_only_traffic(qwen3_dir, prompts):
+    """Sparse QUEST (a 32-token budget per KV head) reads fewer host bytes than FULL; with a reuse
+    cache it gives the same tokens and logits as without one and loads fewer bytes, the (page, KV
+    head) reads it found in the cache being the ones it did not load."""
     opts = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST)
-    quest = dict(sparse_policy="QUEST", sparse_topk_blocks=1, sparse_threshold_blocks=2)
+    quest = dict(sparse_policy="QUEST", sparse_token_budget=32, sparse_sink_tokens=16, sparse_recent_tokens=16)
     runs = {}
     for name, policy in (("full", {}), ("no-reuse", dict(quest, num_reuse_cache_blocks=0)),
                          ("reuse", dict(quest, num_reuse_cache_blocks=4))):
@@ -165,10 +166,12 @@ def test_quest_reads_fewer_host_blocks_and_the_reuse_cache_only_traffic(qwen3_di
             runs[name] = got, llm.get_kv_cache_stats()["loaded_blocks"], llm.get_sparse_stats()["decode"]
     (_, full_loaded, _), (ref, loaded, off), (got, reuse_loaded, on) = runs["full"], runs["no-reuse"], runs["reuse"]
     assert 0 < off["comm_density"] < 1 and loaded < full_loaded
+    assert 0 < off["density"] < 1
     assert got[0] == ref[0] and all((a - b).abs().max().item() <= 1e-5 for a, b in zip(got[1], ref[1]))
-    assert on["reused_host_blocks"] > 0
-    assert on["loaded_host_blocks"] + on["reused_host_blocks"] == off["loaded_host_blocks"]
-    assert reuse_loaded < loaded
+    assert 0 < on["reused_host_pages"] < on["read_host_pages"] and off["reuse_rate"] is None
+    page_head_bytes = 2 * 16 * 32 * 4  # keys and values of one KV head of a 16-token page, head_dim 32, float32
+    assert off["loaded_host_bytes"] - on["loaded_host_bytes"] == on["reused_host_pages"] * page_head_bytes
+    assert reuse_loaded <= loaded
 
 
 @pytest.mark.slow
@@ -352,4 +355,4 @@ def test_prefill_gathers_a_prefix_from_both_tiers():
     ref = prefill_attention_ref(q, k, v, [new], [prefix + new], DIM ** -0.5,
                                 prefixes={0: (k_all[:prefix], v_all[:prefix])})
     assert (out - ref).abs().max() <= 1e-5
-    assert attention.stats.to_dict(True, True)["prefill"]["loaded_host_blocks"] == 1
+    assert attention.stats.to_dict(True, True)["prefill"]["loaded_host_bytes"] == 2 * host.block_bytes

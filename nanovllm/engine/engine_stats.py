@@ -39,21 +39,24 @@ class EngineStats:
         """Densities of the sparse policy since the engine started or the last
         :meth:`reset_sparse_stats`, as plain Python numbers::
 
-            {"policy": "XATTN_BSA",
+            {"policy": "QUEST",
              "prefill": {"density", "comm_density", "kept_blocks", "visible_blocks",
-                         "loaded_host_blocks", "available_host_blocks",
+                         "loaded_host_bytes", "available_host_bytes",
                          "per_layer": [{"layer", "density", "comm_density"}, ...]},
-             "decode": {"density", "kept_blocks", "visible_blocks", "comm_density",
-                        "loaded_host_blocks", "available_host_blocks", "reuse_rate", ...,
-                        "per_layer": [{"layer", "density", "comm_density", "reuse_rate"}, ...]}}
+             "decode": {"density", "read_tokens", "context_tokens", "comm_density",
+                        "loaded_host_bytes", "available_host_bytes", "reuse_rate", "reused_host_pages",
+                        "read_host_pages", "per_layer": [{"layer", "density", "comm_density", "reuse_rate"}, ...]}}
 
         Prefill ``density``: kept / causally visible sparse blocks (``sparse_block_size`` tokens)
-        over heads and query blocks; 1.0 for policies whose prefill is dense (FULL, QUEST).
-        Decode ``density``: KV blocks read / KV blocks of the contexts (both tiers), per layer and
-        sequence, counted for a policy that chooses decode blocks (QUEST; ``kept_blocks`` /
-        ``visible_blocks`` are those counts) or a model with sliding windows; 1.0 for the others.
-        ``comm_density``: host-tier blocks read (keys and values) / host-tier blocks the
-        attention could read, per layer (None where the batch had no host blocks).
+        over heads and query blocks; 1.0 for policies whose prefill is dense.
+        Decode ``density``: tokens read per KV head / tokens of the contexts (both tiers; the
+        always-read sinks, recent pages and page being written included), per layer and
+        sequence, counted for a policy that chooses decode pages or a model with sliding windows
+        (``read_tokens`` / ``context_tokens``); 1.0 for the others.
+        ``comm_density``: bytes read from the host tier (keys and values) / bytes of the host-tier
+        blocks the attention could read, per layer (None where the batch had no host blocks).
+        ``reuse_rate``: host (page, KV head) reads found in the reuse cache / host (page, KV head)
+        reads of a choosing policy's decode.
         Reading syncs with the device once per layer; counting never does. With
         ``tensor_parallel_size > 1`` these are rank 0's counts (its share of the heads).
         With ``data_parallel_size > 1`` (under torchrun every rank must call this): each phase's

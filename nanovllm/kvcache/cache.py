@@ -64,11 +64,11 @@ class KVCache:
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
                                  config.max_model_len, self.windows)
         self.policy = create_policy(config, layer.scale)
-        if self.policy.chooses_decode_blocks and len(set(self.windows)) > 1:
-            raise ValueError(f"sparse_policy={config.sparse_policy!r} chooses decode blocks for layers of one sliding "
-                             f"window; this model's layers have the windows {sorted(set(self.windows), key=str)} "
-                             f"(use sparse_policy='FULL' or 'XATTN_BSA')")
-        picks_from_host = self.tiered and self.policy.chooses_decode_blocks
+        self.chooses = self.policy.chooses_decode_pages and all(w is None for w in self.windows)
+        if self.policy.chooses_decode_pages and not self.chooses:
+            logger.warning("sparse_policy=%r reads every page of each layer's sliding window (choosing pages inside "
+                           "a window is not supported)", config.sparse_policy)
+        picks_from_host = self.tiered and self.chooses
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
         self.stats = SparseStats()
@@ -79,7 +79,7 @@ class KVCache:
         self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
-        self._completed: list[int] = []  # GPU blocks filled by the step (for the policy's metadata)
+        self._completed: list[int] = []  # GPU blocks with a page filled by the step (the policy's metadata)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
@@ -121,8 +121,8 @@ class KVCache:
         except RuntimeError as err:
             parts = f"num_kvcache_blocks={sizes.gpu_blocks}"
             if self.reuse_rows or self.staging_rows:
-                parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks, by default "
-                          f"2 x sparse_topk_blocks) + {self.staging_rows} staging rows / {g.num_layers} layers")
+                parts += (f" + {self.reuse_rows} reuse-cache rows (num_reuse_cache_blocks) + {self.staging_rows} "
+                          f"staging rows / {g.num_layers} layers")
             total = sizes.gpu_blocks * g.block_bytes + self._decode_rows_bytes()
             raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
@@ -131,7 +131,8 @@ class KVCache:
                                  sizes.host_blocks, self.config.num_ring_slots)
         self.kv = self.layout.per_layer(rows)
         self.num_gpu_blocks = sizes.gpu_blocks
-        reuse = ReuseCache(g.num_layers, self.reuse_rows, sizes.gpu_blocks) if self.reuse_rows else None
+        reuse = ReuseCache(g.num_layers, g.num_kv_heads, self.reuse_rows, sizes.gpu_blocks, self.layout.layer_rows,
+                           g.block_size // self.policy.page_size, self.device) if self.reuse_rows else None
         self.attention.bind(rows, self.layout, self.host, reuse)
         self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
                              sizes.gpu_blocks, sizes.host_blocks)
@@ -176,15 +177,14 @@ class KVCache:
     def begin_step(self, moves: list[BlockMove]):
         """Copy the blocks the scheduler moved between the tiers (``eviction.BlockMove``: spills,
         write-backs, load-backs, in order) before anything of this step touches the GPU tier; the
-        policy's metadata follows them. First record the previous step's picks (the reuse cache
-        and statistics lag a step, ``selection.py``)."""
-        self.attention.flush()
+        policy's metadata follows them; the reuse cache forgets the pages of the host blocks
+        rewritten."""
         if not moves:
             return
         self.host.move(moves, self.kv[0], self.kv[1])
         rewritten = [m.host for m in moves if m.to_host]
         if rewritten:
-            self.attention.forget_host_blocks(rewritten)
+            self.attention.forget_host_blocks(to_device(rewritten, torch.int64, self.device))
         if self.policy.needs_block_metadata:
             self._move_metadata(moves)
 
@@ -217,7 +217,7 @@ class KVCache:
             ctx, input_ids, positions, sample_idx = self.inputs.decode(seqs, self._selection(seqs))
             for seq in seqs:
                 self._note_filled(seq, len(seq) - 1, len(seq))
-            if self.counts_decode_reads and not self.policy.chooses_decode_blocks:
+            if self.counts_decode_reads and ctx.selection is None:
                 self._count_window_reads(seqs)
         set_context(ctx)
         self.attention.begin_step(ctx)
@@ -225,68 +225,55 @@ class KVCache:
                 sample_idx)
 
     def finish_step(self):
-        """After the forward: the picks of a choosing decode step start back to the host, the
-        policy's metadata of the blocks the step filled."""
-        self.attention.end_step()
+        """After the forward: the policy's metadata of the blocks whose pages the step filled."""
         reset_context()
         if self._completed:
-            self.policy.on_blocks_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
+            self.policy.on_pages_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
             self._completed = []
 
     def _note_filled(self, seq: Sequence, start: int, end: int):
-        """Positions ``start .. end - 1`` of ``seq`` are written this step: the GPU blocks they fill
-        get the policy's metadata after the step."""
+        """Positions ``start .. end - 1`` of ``seq`` are written this step: the GPU blocks whose
+        pages (``policy.page_size`` tokens, the block without one) they fill get the policy's
+        metadata after the step."""
         if self.policy.needs_block_metadata:
             block_size = self.geometry.block_size
-            self._completed += [seq.block_table[j] for j in range(start // block_size, end // block_size)
-                                if seq.block_table[j] != NO_BLOCK]
+            page = self.policy.page_size or block_size
+            blocks = dict.fromkeys(p * page // block_size for p in range(start // page, end // page))
+            self._completed += [seq.block_table[j] for j in blocks if seq.block_table[j] != NO_BLOCK]
 
     @property
     def counts_decode_reads(self) -> bool:
         """Decode's reads are counted (``SparseStats.add_reads``): the policy chooses decode
-        blocks, or some layer has a sliding window (it reads only the window's blocks)."""
-        return self.policy.chooses_decode_blocks or any(w is not None for w in self.windows)
+        pages, or some layer has a sliding window (it reads only the window's tokens)."""
+        return self.policy.chooses_decode_pages or any(w is not None for w in self.windows)
 
     def _count_window_reads(self, seqs: list[Sequence]):
-        """A decode step without a choosing policy: each layer reads the blocks its window shows
-        (every block without one) of its sequences' blocks."""
-        block_size = self.geometry.block_size
-        blocks = sum(len(seq.block_table) for seq in seqs)
+        """A decode step without a selection: each layer reads the tokens its window shows (every
+        token without one) of its sequences' contexts."""
+        tokens = sum(len(seq) for seq in seqs)
         for layer, window in enumerate(self.windows):
-            read = sum(len(seq.block_table) - window_start(len(seq) - 1, window) // block_size for seq in seqs)
-            self.stats.add_reads(layer, read, blocks)
+            read = sum(len(seq) - window_start(len(seq) - 1, window) for seq in seqs)
+            self.stats.add_reads(layer, read, tokens)
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
-        """The batch's choosing part, when the policy chooses for some sequence (with a sliding
-        window, among the blocks in it); a choosing policy's reads counted (every block in the
-        window of a step without a selection)."""
-        if not self.policy.chooses_decode_blocks:
+        """The batch's choosing part, when the policy chooses for some sequence (the attention
+        counts its reads)."""
+        if not self.chooses:
             return None
-        window, block_size = self.windows[0], self.geometry.block_size
-        firsts = [window_start(len(seq) - 1, window) for seq in seqs]
-        views = [(seq.block_table[f // block_size:], seq.host_block_table[f // block_size:],
-                  len(seq) - f // block_size * block_size) for seq, f in zip(seqs, firsts)]
-        selection = DecodeSelection.build(self.policy, views, self.layout, self.num_gpu_blocks, block_size,
-                                          self.device, self.attention.reuse,
-                                          None if window is None else [f % block_size for f in firsts])
-        blocks = sum(len(seq.block_table) for seq in seqs)
-        read = sum(len(view[0]) for view in views) if selection is None else selection.num_reads()
-        for layer in range(self.geometry.num_layers):
-            self.stats.add_reads(layer, read, blocks)
-        return selection
+        return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],
+                                     self.layout, self.num_gpu_blocks, self.geometry.block_size,
+                                     self.geometry.num_kv_heads, self.device)
 
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:
-        """The sparse statistics, complete: the last choosing decode step recorded first."""
-        self.attention.flush()
+        """The sparse statistics."""
         return self.stats
 
     def usage(self) -> dict:
         """``loaded_blocks``: host-to-GPU reads so far (ring loads, gathers, load-backs), in blocks
-        of every layer (keys and values), the last choosing decode step's gathers recorded first;
+        of every layer (keys and values), pages gathered included (syncs with the device once);
         ``host_bytes_pinned``: host-tier bytes pinned now. Plain ints, 0 without a host tier."""
-        self.attention.flush()
         if not self.tiered:
             return {"loaded_blocks": 0, "host_bytes_pinned": 0}
-        return {"loaded_blocks": self.host.bytes_h2d // self.geometry.block_bytes,
+        return {"loaded_blocks": self.host.loaded_bytes() // self.geometry.block_bytes,
                 "host_bytes_pinned": self.host.memory.bytes_pinned}

@@ -1,9 +1,9 @@
 """The host tier of the KV cache: host blocks (pinned on demand, ``host_memory.py``), the GPU
 ring buffer that decode reads them through, and every copy between host and GPU with its streams
-and events. QUEST's picked host blocks are not copied but gathered (:meth:`HostTier.gather`): a
-kernel on the compute stream, after the step's moves, reads the pinned blocks in place
-(:func:`nanovllm.ops.gather_host_blocks`); :meth:`HostTier.note_gathered` counts their bytes once
-the host learns how many there were.
+and events. A choosing policy's host pages are not copied but gathered per (page, KV head)
+(:meth:`HostTier.gather_pages`): a kernel on the compute stream, after the step's moves, reads the
+pinned pages in place (:func:`nanovllm.ops.gather_host_pages`); their bytes are counted on the
+device.
 
 Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
 
@@ -35,7 +35,7 @@ import torch
 from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_memory import HostMemory
 from nanovllm.kvcache.memcpy2d import memcpy_2d_async
-from nanovllm.ops import gather_host_blocks
+from nanovllm.ops import gather_host_pages
 
 
 class _NullStream:
@@ -71,7 +71,8 @@ class HostTier:
                                       for _ in range(2))
         self.block_bytes = self.memory.block_bytes
         """Bytes of one layer of one block, keys or values."""
-        self.bytes_h2d = self.bytes_d2h = 0
+        self.bytes_h2d = self.bytes_d2h = 0  # copies issued by the host
+        self._gathered_bytes = 0  # pages gathered by kernels: a device count
         self._make_streams()
 
     def _make_streams(self):
@@ -155,16 +156,29 @@ class HostTier:
         v_out.copy_(self.v_host[layer, host_id], non_blocking=True)
         self.bytes_h2d += 2 * self.block_bytes
 
-    def gather(self, layer: int, src_ids: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-               dst_ids: torch.Tensor):
-        """Gather ``layer`` of host blocks ``src_ids`` (device ``[n]``, -1: skip) into rows
-        ``dst_ids`` of ``k_rows`` / ``v_rows`` (``[rows, block_size, Hkv, D]``) on the compute stream,
-        the ids never read on the host (:func:`nanovllm.ops.gather_host_blocks`)."""
-        gather_host_blocks(self.k_host[layer], self.v_host[layer], src_ids, k_rows, v_rows, dst_ids)
+    def gather_pages(self, layer: int, src_pages: torch.Tensor, heads: torch.Tensor, k_pages: torch.Tensor,
+                     v_pages: torch.Tensor, dst_pages: torch.Tensor):
+        """Gather KV head ``heads[i]`` of ``layer``'s host page ``src_pages[i]`` (device ``[n]``, -1:
+        skip) into the same head of page ``dst_pages[i]`` of ``k_pages`` / ``v_pages`` (``[pages,
+        page_size, Hkv, D]``) on the compute stream, the ids never read on the host
+        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes as a device tensor."""
+        page = k_pages.shape[1]
+        k_host, v_host = (cache[layer].view(-1, page, *cache.shape[3:]) for cache in (self.k_host, self.v_host))
+        gather_host_pages(k_host, v_host, src_pages, heads, k_pages, v_pages, dst_pages)
+        self._gathered_bytes = self._gathered_bytes + (src_pages >= 0).sum() * self.page_head_bytes(page)
 
-    def note_gathered(self, num_blocks: int):
-        """``num_blocks`` layer blocks (keys and values) were gathered from this tier by a kernel."""
-        self.bytes_h2d += 2 * num_blocks * self.block_bytes
+    def loaded_bytes(self) -> int:
+        """Bytes read from this tier so far, copies and gathers (syncs with the device once)."""
+        return self.bytes_h2d + int(self._gathered_bytes)
+
+    def page_head_bytes(self, page_size: int) -> int:
+        """Bytes of one KV head's keys and values of one page of ``page_size`` tokens of one layer."""
+        return 2 * self.block_bytes // self.block_size // self.k_host.shape[3] * page_size
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer of one block, keys and values."""
+        return 2 * self.block_bytes
 
     def synchronize(self):
         """Block the host until every copy of this tier finished."""

@@ -1,32 +1,36 @@
 """The GPU tier as one table of rows, as decode with a choosing policy (QUEST) reads it.
 
 Decode with a choosing policy addresses the GPU tier of all layers as one table of rows
-``[L * layer_rows + staging_rows, block_size, Hkv, D]`` (keys, values): row ``layer * layer_rows +
+``[L * layer_rows + staging_rows, block_size, Hkv, D]`` (keys, values), viewed as pages
+``[(L * layer_rows + staging_rows) * pages_per_block, page_size, Hkv, D]``: row ``layer * layer_rows +
 b`` is block ``b`` of ``layer`` (the block manager's blocks, then the reuse cache's rows,
-``reuse.py``), the last ``staging_rows`` rows are the *staging rows*: where picked host blocks
-that the reuse cache does not keep are gathered, shared by all layers (layer ``l + 1``'s gather
-runs after layer ``l``'s attention on the compute stream). So one paged read covers GPU-tier
-blocks, reuse-cache rows and staging rows, and the staging rows exist once, not per layer.
+``reuse.py``), the last ``staging_rows`` rows are the *staging rows*: where read host pages that
+the reuse cache does not keep are gathered, shared by all layers (layer ``l + 1``'s gather runs
+after layer ``l``'s attention on the compute stream). So one paged read covers GPU-tier pages,
+reuse-cache cells and staging pages, and the staging rows exist once, not per layer.
 """
 from typing import NamedTuple
 
 import torch
 
+from nanovllm.ops._triton import cdiv
 from nanovllm.sparse import policy_class
 
 STAGING_SEQS = 8
-"""Sequences whose picks the staging rows hold at once: ``sparse_topk_blocks`` rows each."""
+"""Sequences whose host-tier reads the staging rows hold at once."""
 
 
 def staging_rows(config) -> int:
     """Staging rows (shared by all layers) of a cache with a host tier and a policy that chooses
-    decode blocks: the policy's most picks per sequence and layer
-    (:meth:`~nanovllm.sparse.SparsePolicy.decode_pick_limit`) for up to :data:`STAGING_SEQS`
-    sequences (``max_num_seqs`` if fewer). One layer of one block each, so 8 sequences of top-k 4 cost 32
-    layer blocks (512 MiB at Llama-3.1-8B's 4,096-token blocks, beside 64 GiB of its GPU tier). A
-    step whose picks could miss more than the victim and staging rows hold reads its sequences in
-    groups (``selection.py``)."""
-    return policy_class(config.sparse_policy).decode_pick_limit(config) * min(config.max_num_seqs, STAGING_SEQS)
+    decode pages: room for the most one sequence reads per KV head and step (the policy's picks,
+    :meth:`~nanovllm.sparse.SparsePolicy.decode_pick_limit`, and its always-read pages,
+    :meth:`~nanovllm.sparse.SparsePolicy.decode_fixed_tokens`) for up to :data:`STAGING_SEQS`
+    sequences (``max_num_seqs`` if fewer), in whole blocks. Each KV head fills its own head of a
+    staging page, so the heads share the pages. A step whose reads could miss more than the
+    free reuse cells and the staging rows hold reads its sequences in groups (``selection.py``)."""
+    policy = policy_class(config.sparse_policy)
+    tokens = policy.decode_pick_limit(config) + policy.decode_fixed_tokens(config)
+    return cdiv(tokens * min(config.max_num_seqs, STAGING_SEQS), config.kvcache_block_size)
 
 
 class TierRows(NamedTuple):

@@ -14,29 +14,27 @@
   (:func:`nanovllm.ops.decode_attend_merge`). The loads of a step form one plan across layers, so
   the ring keeps loading the next layer's blocks while this layer computes. A batch without host
   blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
-- **Decode with a choosing policy** (QUEST, ``selection.py``): the blocks read whatever the query
-  (the fixed ones) are known per step, so the ring loads the fixed host blocks of every layer in
-  one plan, up to its slot count ahead. Per layer the policy picks on the device and the picks
-  never come back to the host within the step: one kernel turns them into a gather list and
-  block tables (``DecodeSelection.layer_reads``), one kernel gathers the picked host blocks not in the reuse
-  cache (``reuse.py``) straight from the pinned host tier into victim or staging rows
-  (:func:`nanovllm.ops.gather_host_blocks`), one paged read covers the GPU-tier blocks, the
-  reuse-cache rows and the staging rows, and the ring's blocks are folded in. No per-layer host
-  synchronisation: after the step the picks of every layer come back in one copy, and the next
-  step's start waits for it once, to update the reuse cache and the statistics (a step late).
+- **Decode with a choosing policy** (QUEST, STREAMING; ``selection.py``): per layer the policy
+  picks pages per KV head on the device and the picks never come back to the host: the step's
+  selection turns them into per-head page tables over the GPU tier's rows viewed as pages and a
+  gather list of the host pages the reuse cache does not hold (``reuse.py``), one kernel gathers
+  those (page, KV head) pairs straight from the pinned host tier into free reuse cells or staging
+  pages (:func:`nanovllm.ops.gather_host_pages`), one paged read covers GPU-tier pages, cells and
+  staging pages, and the ring's blocks (of the sequences that read everything, and of every
+  sequence at the policy's dense layers, read as in FULL decode) are folded in. No host sync.
 - **Sliding windows** (a layer's ``LayerKVSpec.sliding_window``, ``window.py``): prefill gathers and
   attends to only the prefix tokens the window shows each chunk (``prefill_attention(...,
   sliding_window)``; XAttention's mask intersected with the window); decode reads each window's
   rows (``ctx.windows``: tables from the window's first block, the tokens before the window masked
   by ``context_starts``, the ring loading only host blocks in the window and folding the first from
-  its window start); QUEST chooses among the window's blocks. Layers without a window read as above.
+  its window start); a choosing policy reads the whole window. Layers without a window read as above.
 """
 import torch
 
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
-from nanovllm.kvcache.selection import DecodeSelection, StepPicks
+from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, prefill_attention,
                           store_kvcache)
 from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
@@ -93,8 +91,6 @@ class TieredAttention:
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
         self.reuse: ReuseCache | None = None
-        self.step_picks = StepPicks()
-        self._pending: tuple[DecodeSelection, list[torch.Tensor]] | None = None
 
     def bind(self, rows: torch.Tensor, layout: TierRows, host: HostTier | None, reuse: ReuseCache | None = None):
         """The GPU tier as rows ``[2, layout.total, block_size, Hkv, D]`` (keys, values; see
@@ -105,30 +101,12 @@ class TieredAttention:
 
     def release(self):
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = self.host = self.ring = self.reuse = None
-        self._pending = None
 
-    def forget_host_blocks(self, host_ids: list[int]):
-        """Host blocks ``host_ids`` are being rewritten (spills): the reuse cache drops them (after
-        recording the pending step, whose placements may hold them)."""
-        self.flush()
+    def forget_host_blocks(self, host_ids: torch.Tensor):
+        """Host blocks ``host_ids`` (int64 ``[n]`` on the device) are being rewritten (spills): the
+        reuse cache drops their pages."""
         if self.reuse is not None:
             self.reuse.forget(host_ids)
-
-    def end_step(self):
-        """After a step's forward: start bringing a choosing decode step's picks to the host."""
-        selection = get_context().selection
-        if selection is not None and self.host is not None:
-            self._pending = selection, self.step_picks.copy(selection.picks)
-
-    def flush(self):
-        """Record the last choosing decode step (the reuse cache, the statistics), waiting for its
-        picks once; a no-op when there is none."""
-        if self._pending is None:
-            return
-        selection, picks = self._pending
-        self._pending = None
-        self.step_picks.wait()
-        selection.replay(picks, self.reuse, self.stats, self.host)
 
     def window(self, layer: int) -> int | None:
         """``layer``'s sliding window (None: full attention)."""
@@ -145,15 +123,18 @@ class TieredAttention:
 
     def begin_step(self, ctx: Context):
         """Plan the step's ring loads: every layer reads ``ctx.host_loads`` (a windowed layer its
-        window's), or with a choosing policy the fixed host blocks (``selection.fixed_loads``, on
-        one stream, in order), so the whole step is one plan."""
+        window's), or with a choosing policy each layer's ``selection.ring_loads`` (on one stream,
+        in order), so the whole step is one plan; a choosing step starts a step of the reuse cache."""
+        if ctx.selection is not None and self.reuse is not None:
+            self.reuse.begin_step()
         if self.ring is not None:
+            num_layers = self.k_cache.shape[0]
             if ctx.selection is None:
-                self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
+                self.ring.reset([(layer, host_id) for layer in range(num_layers)
                                  for _, host_id in self._reads(layer, ctx)[3]] if not ctx.is_prefill else [])
             else:
-                self.ring.reset([(layer, host_id) for layer in range(self.k_cache.shape[0])
-                                 for _, host_id in ctx.selection.fixed_loads], serial=True)
+                self.ring.reset([(layer, host_id) for layer in range(num_layers)
+                                 for _, host_id in ctx.selection.ring_loads[layer]], serial=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer: q ``[N, Hq, D]``, k, v ``[N, Hkv, D]`` (the batch's new
@@ -183,7 +164,7 @@ class TieredAttention:
     def _prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache) -> torch.Tensor:
         prefixes = {i: self._gather_prefix(layer, g) for i, g in ctx.prefix_gathers.items()}
         if prefixes:
-            read = sum(len(g.host) for g in ctx.prefix_gathers.values())
+            read = sum(len(g.host) for g in ctx.prefix_gathers.values()) * self.host.layer_block_bytes
             self.stats.add_comm(layer, True, read, read)
         if self.policy.dense_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
@@ -264,39 +245,49 @@ class TieredAttention:
         out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True,
                                     context_starts=starts)
         self._fold_ring(q, out, lse, loads, skips)
-        self.stats.add_comm(layer, False, len(loads), len(loads))
+        read = len(loads) * self.host.layer_block_bytes
+        self.stats.add_comm(layer, False, read, read)
         return out.to(q.dtype)
 
     def _selected_decode(self, layer, q, ctx: Context) -> torch.Tensor:
         """The policy's picks at ``layer``, turned on the device into a gather of the missed host
-        blocks and block tables over the GPU tier's rows; one paged read per group of sequences
-        (one for the batch unless the staging rows are short), then the ring's blocks folded in."""
+        pages and per-head page tables over the GPU tier's rows; one paged read per group of
+        sequences (one for the batch unless the staging pages are short), then the ring's blocks
+        folded in. The policy's dense layers read every block, as FULL decode does."""
         selection = ctx.selection
-        picks = self.policy.select_decode_blocks(layer, selection.queries(q), selection.blocks)
-        src, dst, tables, lens = selection.layer_reads(layer, picks)
-        if selection.groups is None:  # one gather and one paged read for the batch
-            self._gather(layer, src, dst)
-            out, lse = decode_attention(q, self.k_rows, self.v_rows, tables, lens, self.scale, return_lse=True,
-                                        context_starts=selection.starts)
-        else:  # the staging rows are reused group after group
-            out = q.new_zeros(q.shape, dtype=torch.float32)
-            lse = q.new_zeros(q.shape[:2], dtype=torch.float32)
-            for group, batch_rows in selection.groups:
-                self._gather(layer, selection.group_src(group, src), dst)
-                starts = None if selection.starts is None else selection.starts[batch_rows]
-                group_out, group_lse = decode_attention(q[batch_rows], self.k_rows, self.v_rows, tables[batch_rows],
-                                                        lens[batch_rows], self.scale, return_lse=True,
-                                                        context_starts=starts)
-                out.index_copy_(0, batch_rows, group_out)
-                lse.index_copy_(0, batch_rows, group_lse)
-        selection.gathered(picks)
-        self._fold_ring(q, out, lse, selection.fixed_loads, selection.fixed_skips)
+        num_picks = 0
+        if layer < self.policy.dense_layers:
+            out, lse = decode_attention(q, self.k_cache[layer], self.v_cache[layer], ctx.block_tables,
+                                        ctx.context_lens, self.scale, return_lse=True)
+        else:
+            out, lse, num_picks = self._read_pages(layer, q, selection)
+        loads = selection.ring_loads[layer]
+        self._fold_ring(q, out, lse, loads)
+        self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
+        if self.host is not None:
+            self.stats.add_comm(layer, False, len(loads) * self.host.layer_block_bytes,
+                                selection.num_host_blocks * self.host.layer_block_bytes)
         return out.to(q.dtype)
 
-    def _gather(self, layer: int, src: torch.Tensor, dst: torch.Tensor):
-        """Gather the host blocks ``src`` into rows ``dst`` (``[S, k]`` each, -1: none)."""
-        if self.host is not None:
-            self.host.gather(layer, src.flatten(), self.k_rows, self.v_rows, dst.flatten())
+    def _read_pages(self, layer, q, selection: DecodeSelection) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Attention of ``layer`` over the policy's pages: ``(out, lse, picks per KV head)``."""
+        picks = self.policy.select_decode_pages(layer, selection.queries(q), selection.candidates)
+        page, heads, dim = self.policy.page_size, self.k_rows.shape[2], self.k_rows.shape[3]
+        k_pages, v_pages = (rows.view(-1, page, heads, dim) for rows in (self.k_rows, self.v_rows))
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        for group, (_, batch_rows) in enumerate(selection.groups):
+            reads = selection.layer_reads(layer, picks, group, self.reuse)
+            if self.host is not None:
+                self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst)
+                self.stats.add_comm(layer, False, reads.misses * self.host.page_head_bytes(page), 0)
+                if self.reuse is not None:
+                    self.stats.add_reuse(layer, reads.host_reads - reads.misses, reads.host_reads)
+            group_out, group_lse = decode_attention(q[batch_rows], k_pages, v_pages, reads.tables, reads.lens,
+                                                    self.scale, return_lse=True)
+            out.index_copy_(0, batch_rows, group_out)
+            lse.index_copy_(0, batch_rows, group_lse)
+        return out, lse, picks.shape[2]
 
     def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]], skips: list[int] | None = None):
         """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``,

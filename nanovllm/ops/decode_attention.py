@@ -19,7 +19,6 @@ from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_hea
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, decode_cpu
-from .store_kv import gather_kvcache
 
 _BLOCK_G = MIN_DOT_ROWS
 """q heads per program: a GQA group (padded) or a 16-head slice of a larger one."""
@@ -57,8 +56,11 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_
     check_head_dim(q.shape[2])
     if q.shape[0] > _MAX_BATCH:
         raise ValueError(f"decode batch of {q.shape[0]} sequences exceeds {_MAX_BATCH} (the CUDA grid's y limit)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    per_head = block_tables.dim() == 3
+    if block_tables.dim() not in (2, 3) or block_tables.shape[0] != q.shape[0] or (
+            per_head and block_tables.shape[1] != k_cache.shape[2]):
+        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks] or, per KV head, [B={q.shape[0]}, "
+                         f"Hkv={k_cache.shape[2]}, max_blocks]; got {tuple(block_tables.shape)}")
     if context_lens.shape != (q.shape[0],):
         raise ValueError(f"context_lens must be [B={q.shape[0]}]; got {tuple(context_lens.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -90,13 +92,24 @@ def decode_attention_ref(
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     lengths = context_lens.tolist()
     starts = [0] * len(lengths) if context_starts is None else context_starts.tolist()
-    check_context_lens(lengths, block_tables.shape[1] * k_cache.shape[1], starts)
+    check_context_lens(lengths, block_tables.shape[-1] * k_cache.shape[1], starts)
+    block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
+    per_head = block_tables.dim() == 3
+    group = q.shape[1] // heads_kv if per_head else q.shape[1]
     for b, (start, length) in enumerate(zip(starts, lengths)):
-        if length > start:
-            keys = gather_kvcache(k_cache, block_tables[b], length)[None, start:]
-            values = gather_kvcache(v_cache, block_tables[b], length)[None, start:]
-            out_b, lse_b = flash_attn_with_lse_ref(q[b][None, None].to(dtype), keys, values, scale, False)
-            out[b], lse[b] = out_b[0, 0], lse_b[0, :, 0]
+        pos = torch.arange(start, length, device=block_tables.device)
+        for h in range(heads_kv if per_head else 1):  # a table per KV head, or one for all
+            table = block_tables[b, h] if per_head else block_tables[b]
+            heads = slice(h * group, (h + 1) * group)
+            kv_heads = slice(h, h + 1) if per_head else slice(None)
+            blocks = table[pos // block_size].long()
+            slots = (blocks * block_size + pos % block_size)[blocks >= 0]  # a -1 table entry reads nothing
+            if not slots.numel():
+                continue
+            keys = k_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            values = v_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            out_b, lse_b = flash_attn_with_lse_ref(q[b, heads][None, None].to(dtype), keys, values, scale, False)
+            out[b, heads], lse[b, heads] = out_b[0, 0], lse_b[0, :, 0]
     return (out, lse) if return_lse else out.to(q.dtype)
 
 
@@ -109,7 +122,7 @@ def _decode_tile(
     """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
     ``[BLOCK_N]``: each token's cache block."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
+    n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
     kv_mask = n_mask[:, None] & d_mask[None, :]
     block = block.to(tl.int64)
@@ -129,21 +142,23 @@ def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.c
     return tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
 
 
-@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["stride_tb", "stride_th", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, starts_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_tb, stride_th, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
-    them (output in its dtype, LSE in natural log), so no merge kernel runs. ``HAS_STARTS``: the
-    split's tokens before the row's start (``starts_ptr``, a sliding window's first visible
-    token) are skipped: its loop begins there, so blocks wholly before it are never read."""
+    them (output in its dtype, LSE in natural log), so no merge kernel runs. ``stride_th``: 0 when
+    every KV head reads the sequence's one table, else the stride between the heads' tables.
+    ``HAS_STARTS``: the split's tokens before the row's start (``starts_ptr``, a sliding window's
+    first visible token) are skipped: its loop begins there, so blocks wholly before it are never
+    read."""
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(0) // G_CHUNKS
     g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -163,7 +178,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
-    table_row = table_ptr + b * stride_tb
+    table_row = table_ptr + b * stride_tb + kv_head * stride_th
     # Each tile's block ids are loaded during the tile before it, so a tile's K/V loads do not wait
     # for its ids. Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled
     # kernels keep the for loop, which Triton software-pipelines (the while form is slower:
@@ -249,7 +264,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     g_chunks = cdiv(group, _BLOCK_G)
     block_d = block_dim(dim)
     block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
-    max_tokens = block_tables.shape[1] * block_size
+    max_tokens = block_tables.shape[-1] * block_size
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
@@ -271,6 +286,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        tables.stride(1) if tables.dim() == 3 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
@@ -305,7 +321,11 @@ def decode_attention(
         q: ``[B, Hq, D]``, float16/bfloat16/float32, ``1 <= D <= 256``; rows may be strided.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: q head
             h uses kv head ``h // (Hq // Hkv)``) and a contiguous last dim.
-        block_tables: int32 ``[B, M]`` block ids; entries past a sequence's context are not read.
+        block_tables: int32 ``[B, M]`` block ids, or ``[B, Hkv, M]``: a table per KV head (each KV
+            head and its GQA group of q heads read their own blocks, e.g. pages chosen per head
+            with the cache viewed as ``[num_pages, page_size, Hkv, D]``); entries past a sequence's
+            context are not read; a -1 entry within the context reads nothing (its tokens are
+            masked).
         context_lens: int32 ``[B]``, tokens to attend to (the new token included, already stored),
             ``0 <= context_lens[b] <= M * block_size``; 0 (padded rows) gives an output of zeros.
         scale: softmax scale (usually ``D ** -0.5``).

@@ -4,19 +4,23 @@ The attention pipeline (``nanovllm/kvcache/tiered_attention.py``) asks the engin
 
 - **prefill**: :meth:`SparsePolicy.prefill_mask`, a block-sparse mask over a sequence's chunk of
   queries and its whole context (None: dense);
-- **decode**: :meth:`SparsePolicy.selects` (does this many blocks call for a choice?),
-  :meth:`SparsePolicy.fixed_decode_blocks` (the blocks read whatever the query, known before the
-  query exists, so the pipeline can start loading them early) and
-  :meth:`SparsePolicy.select_decode_blocks`, the query-dependent picks among the other blocks, in
-  both tiers, as a device tensor (the pipeline consumes it on the device; it reaches the host
-  once per step, after the step).
+- **decode** (a policy that :attr:`~SparsePolicy.chooses_decode_pages`): the unit is a *page* of
+  :attr:`~SparsePolicy.page_size` tokens, chosen per KV head. Every sequence reads its first
+  :attr:`~SparsePolicy.sink_pages` pages (attention sinks) and its last
+  :attr:`~SparsePolicy.recent_pages` pages before the page being written, and that page
+  (:meth:`SparsePolicy.fixed_pages`); :meth:`SparsePolicy.select_decode_pages` picks up to
+  :attr:`~SparsePolicy.budget_pages` of the other pages (the *candidates*) per KV head, with the
+  layer's query, as a device tensor the pipeline consumes on the device. A sequence with no more
+  candidates than the budget (:meth:`SparsePolicy.selects`), and every sequence at the first
+  :attr:`~SparsePolicy.dense_layers` layers, reads everything.
 
-Policies keep per-block metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
-once the tiers are sized, :meth:`~SparsePolicy.on_blocks_full` when GPU blocks become full,
+Policies keep per-page metadata through hooks the cache calls: :meth:`~SparsePolicy.allocate`
+once the tiers are sized, :meth:`~SparsePolicy.on_pages_full` when pages of GPU blocks become full,
 :meth:`~SparsePolicy.on_spill` when blocks are copied to the host tier and
 :meth:`~SparsePolicy.on_load` when they are copied back. Metadata of both tiers is indexed by
 *metadata slot*: GPU-tier block ``g`` is slot ``g``, host-tier block ``h`` is slot
-``num_gpu_blocks + h``. A policy never copies KV, never touches streams, ring slots or statistics.
+``num_gpu_blocks + h``; page ``j`` of the block in slot ``s`` is *metadata page* ``s * pages per
+block + j``. A policy never copies KV, never touches streams, ring slots or statistics.
 """
 from dataclasses import dataclass
 from typing import ClassVar
@@ -43,8 +47,8 @@ def policy_names() -> list[str]:
 
 
 def choosing_policy_names() -> list[str]:
-    """The policies that choose decode blocks (:attr:`SparsePolicy.chooses_decode_blocks`)."""
-    return [name for name, cls in _POLICIES.items() if cls.chooses_decode_blocks]
+    """The policies that choose decode blocks (:attr:`SparsePolicy.chooses_decode_pages`)."""
+    return [name for name, cls in _POLICIES.items() if cls.chooses_decode_pages]
 
 
 def policy_class(name) -> type["SparsePolicy"]:
@@ -69,21 +73,22 @@ def create_policy(config, scale: float) -> "SparsePolicy":
 
 
 @dataclass
-class DecodeBlocks:
-    """The candidate blocks of the decode sequences whose policy selects (one step), padded to
-    ``M`` columns: every block but the fixed ones (:meth:`SparsePolicy.fixed_decode_blocks`).
+class DecodeCandidates:
+    """The candidate pages of the decode sequences whose policy chooses (one step): every page of
+    a sequence but its fixed ones (:meth:`SparsePolicy.fixed_pages`), padded to ``C`` columns.
 
     Attributes:
         rows: the sequences' rows in the decode batch (host list, length ``S``).
-        num_blocks: each sequence's block count (host list), ``<= M``.
-        slots: int64 ``[S, M]`` on the device: the metadata slot of logical block ``j`` of each
-            sequence (GPU block ``g`` -> ``g``, host block ``h`` -> ``num_gpu_blocks + h``) where
-            ``j`` is a candidate, -1 where it is fixed or padding.
+        pages: int64 ``[S, C]`` on the device: the metadata page of candidate ``c`` (logical page
+            ``first + c`` of the sequence), -1 for padding.
+        first: the logical page of candidate 0 (the policy's :attr:`~SparsePolicy.sink_pages`).
+        num_kv_heads: the KV heads each of which chooses.
     """
 
     rows: list[int]
-    num_blocks: list[int]
-    slots: torch.Tensor
+    pages: torch.Tensor
+    first: int
+    num_kv_heads: int
 
 
 class SparsePolicy:
@@ -102,10 +107,16 @@ class SparsePolicy:
     """Prefill attends to every causally visible key (compute density 1.0, not counted)."""
     prefill_block_size: int | None = None
     """Sparse block of :meth:`prefill_mask`'s masks (policies with ``dense_prefill`` False)."""
-    chooses_decode_blocks = False
-    """:meth:`selects` may be True: decode asks :meth:`select_decode_blocks` per layer."""
+    chooses_decode_pages = False
+    """Decode reads a choice of pages per KV head (:meth:`select_decode_pages`); the attributes
+    below describe it."""
     needs_block_metadata = False
-    """The cache calls :meth:`on_blocks_full` and :meth:`on_spill`."""
+    """The cache calls :meth:`on_pages_full`, :meth:`on_spill` and :meth:`on_load`."""
+    page_size = 0
+    """Tokens per page of a choosing policy (a divisor of the KV block size)."""
+    sink_pages = recent_pages = budget_pages = dense_layers = 0
+    """A choosing policy's always-read pages (the first ``sink_pages``; the ``recent_pages`` before
+    the page being written), its picks per KV head and step, and the first layers it reads whole."""
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -121,10 +132,18 @@ class SparsePolicy:
         return cls(scale)
 
     @classmethod
-    def decode_pick_limit(cls, config) -> int | None:
-        """The most candidate blocks :meth:`select_decode_blocks` picks per sequence and layer under
-        ``config`` (sizes the rows that hold picked host blocks); None: every candidate."""
-        return None
+    def decode_pick_limit(cls, config) -> int:
+        """Tokens :meth:`select_decode_pages` picks per KV head and step at most under ``config``,
+        whole pages (with :meth:`decode_fixed_tokens`, sizes the rows that hold a step's host-tier
+        pages); 0 for a policy that does not choose."""
+        return 0
+
+    @classmethod
+    def decode_fixed_tokens(cls, config) -> int:
+        """Tokens a choosing sequence reads per KV head and step whatever the query, whole pages
+        (its sink pages, its recent pages and the page being written); 0 for a policy that does
+        not choose."""
+        return 0
 
     # ---- metadata hooks ----------------------------------------------------------------
     def metadata_bytes_per_block(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -137,9 +156,12 @@ class SparsePolicy:
                  device: torch.device, num_gpu_blocks: int, num_host_blocks: int) -> None:
         """Called once the tiers are sized: allocate per-block metadata here."""
 
-    def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
-        """GPU blocks ``gpu_ids`` (int64 ``[n]``) became full: their keys of every layer are
-        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv, D]``)."""
+    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+        """Pages (:attr:`page_size` tokens; the whole block when 0) of GPU blocks ``gpu_ids``
+        (int64 ``[n]``) became full this step: the blocks' keys of every layer are
+        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv,
+        D]``). Metadata of a block's pages not yet full is never read (the page being written is
+        always read whole, ``fixed_pages``)."""
 
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
         """Full blocks copied from the GPU tier (``gpu_ids``) to the host tier (``host_ids``): a
@@ -155,31 +177,30 @@ class SparsePolicy:
         context k ``[Sk, Hkv, D]`` (the chunk is the last ``Sq`` keys); None: dense."""
         return None
 
-    def selects(self, num_blocks: int) -> bool:
-        """Whether a decode step over ``num_blocks`` blocks reads fewer than all of them."""
-        return False
+    def selects(self, num_pages: int) -> bool:
+        """Whether a decode step over a context of ``num_pages`` pages reads fewer than all of them
+        (more candidates than :attr:`budget_pages`)."""
+        return self.chooses_decode_pages and num_pages - self.num_fixed_pages > self.budget_pages
 
-    def fixed_decode_blocks(self, num_blocks: int) -> list[int]:
-        """For a sequence of ``num_blocks`` blocks that :meth:`selects`: the logical blocks its
-        decode reads whatever the query, increasing (the pipeline adds the last block, the one
-        being written, in any case). Default: the first and the last."""
-        return sorted({0, num_blocks - 1})
+    @property
+    def num_fixed_pages(self) -> int:
+        """Pages a choosing sequence reads whatever the query."""
+        return self.sink_pages + self.recent_pages + 1
 
-    def max_decode_picks(self, num_candidates: int) -> int:
-        """The most candidates :meth:`select_decode_blocks` picks for a sequence of
-        ``num_candidates`` (bounds the blocks a decode step may have to gather). Default: all."""
-        return num_candidates
+    def fixed_pages(self, num_pages: int) -> tuple[range, range]:
+        """For a sequence of ``num_pages`` pages that :meth:`selects`: its sink pages and its last
+        pages (the recent ones and the page being written), logical page indices."""
+        return range(self.sink_pages), range(num_pages - self.recent_pages - 1, num_pages)
 
-    def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        """The candidates each sequence of ``blocks`` reads at ``layer``, chosen with its decode
-        query, without syncing with the host.
+    def select_decode_pages(self, layer: int, q: torch.Tensor, candidates: DecodeCandidates) -> torch.Tensor:
+        """The candidates each KV head of each sequence of ``candidates`` reads at ``layer``, chosen
+        with its decode query, without syncing with the host.
 
         Args:
-            q: ``[S, Hq, D]``, the queries of ``blocks.rows``.
+            q: ``[S, Hq, D]``, the queries of ``candidates.rows``.
 
         Returns:
-            int64 ``[S, k]`` on q's device: logical block indices (candidates of
-            ``blocks.slots``), each at most once per row, -1 for no pick. Default: every candidate.
+            int64 ``[S, Hkv, k]`` on q's device, ``k <= budget_pages``: columns of
+            ``candidates.pages`` (distinct per row and head), -1 for no pick. Default: none.
         """
-        columns = torch.arange(blocks.slots.shape[1], device=blocks.slots.device)
-        return torch.where(blocks.slots >= 0, columns, -1)
+        return torch.empty(q.shape[0], candidates.num_kv_heads, 0, dtype=torch.int64, device=q.device)

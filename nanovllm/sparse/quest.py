@@ -1,79 +1,81 @@
-"""QUEST: query-aware block selection for decode (Tang et al., "Quest: Query-Aware Sparsity for
-Efficient Long-Context LLM Inference", ICML 2024).
+"""QUEST: query-aware page selection for decode, per KV head (Tang et al., "Quest: Query-Aware
+Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
 
-Per page of ``QUEST_PAGE_SIZE`` tokens (the paper's 16) of every full block and layer, the policy
-keeps the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device),
-for the blocks of both tiers (indexed by metadata slot, see ``policy.py``): computed from the GPU
-cache when a block becomes full and copied along when the block is spilled to the host tier. A
-block's score for a decode query combines every query head's upper bound of ``q . k`` over the
-block's pages: the sum over heads of each head's softmax of its bounds over the candidate blocks
-(``nanovllm.ops.quest_scores``). When a sequence has more than ``threshold_blocks`` blocks (and
-more than ``topk_blocks + 3``), its first block (attention sink) and its two last blocks (the
-block being written and the one before it: the most recent tokens, a prompt's question, the answer
-so far) are read whatever the query, plus the ``topk_blocks`` best-scoring blocks between them.
-Prefill is dense. With tensor parallelism each rank holds a share of the heads; the scores (sums
-over heads) are all-reduced (sum) so that every rank selects the blocks TP=1 would.
+Per page of ``page_size`` tokens (the paper's 16) of every full block and layer, the policy keeps
+the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device), for
+the blocks of both tiers (indexed by metadata page, see ``policy.py``): computed from the GPU cache
+when a page becomes full, copied along when the block is spilled to the host tier and back
+when it is loaded into the GPU tier. Per layer, every KV head scores its candidate pages from its
+query heads' upper bounds of ``q . k`` (each head's bounds as a softmax over the candidates,
+combined over the GQA group by ``group_score``: "max" or "sum"; ``nanovllm.ops.quest_scores``)
+and reads its ``budget_pages`` best, besides the sink, recent and current pages every sequence
+reads (``choosing.py``). Each rank of a tensor-parallel engine chooses for its own KV heads, so no scores are exchanged. Prefill is dense.
 """
+import math
+
 import torch
-import torch.distributed as dist
 
-from nanovllm.ops.quest_scores import block_scores, quest_bounds, select_top_blocks, top_blocks
-from nanovllm.parallel.process_group import tp_size
-from nanovllm.sparse.policy import DecodeBlocks, SparsePolicy, register_policy
+from nanovllm.ops.quest_scores import COMBINES, page_bounds, page_scores, top_pages
+from nanovllm.sparse.choosing import ChoosingPolicy
+from nanovllm.sparse.policy import DecodeCandidates, register_policy
 from nanovllm.utils.checks import check_range
-
-QUEST_PAGE_SIZE = 16
-"""Tokens per page of key bounds (Quest's default page size)."""
 
 
 @register_policy
-class QuestPolicy(SparsePolicy):
-    """Args: scale; topk_blocks (>= 1, besides the first and the two last blocks); threshold_blocks
-    (select only when more blocks than this are available).
+class QuestPolicy(ChoosingPolicy):
+    """Args: as :class:`~nanovllm.sparse.choosing.ChoosingPolicy`, and group_score ("max" or "sum":
+    how a KV head combines its query heads' page shares).
 
     Raises:
-        ValueError: topk_blocks < 1 or threshold_blocks < 0.
+        ValueError: a value out of range (budget_tokens < 1, group_score not "max" or "sum", as
+            :class:`ChoosingPolicy`).
     """
 
     name = "QUEST"
-    options = ("sparse_topk_blocks", "sparse_threshold_blocks")
-    chooses_decode_blocks = needs_block_metadata = True
+    options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_group_score")
+    needs_block_metadata = True
 
-    @classmethod
-    def check_options(cls, config) -> None:
-        check_range("sparse_topk_blocks", config.sparse_topk_blocks, 1)
-        check_range("sparse_threshold_blocks", config.sparse_threshold_blocks, 0)
-
-    @classmethod
-    def from_config(cls, config, scale: float) -> "QuestPolicy":
-        return cls(scale, config.sparse_topk_blocks, config.sparse_threshold_blocks)
-
-    @classmethod
-    def decode_pick_limit(cls, config) -> int:
-        return config.sparse_topk_blocks
-
-    def __init__(self, scale: float, topk_blocks: int = 16, threshold_blocks: int = 4):
-        super().__init__(scale)
-        check_range("sparse_topk_blocks", topk_blocks, 1)
-        check_range("sparse_threshold_blocks", threshold_blocks, 0)
-        self.topk_blocks, self.threshold_blocks = topk_blocks, threshold_blocks
+    def __init__(self, scale: float, page_size: int = 16, budget_tokens: int = 2048, sink_tokens: int = 16,
+                 recent_tokens: int = 256, dense_layers: int = 0, group_score: str = "max"):
+        check_range("sparse_token_budget", budget_tokens, 1)
+        if group_score not in COMBINES:
+            raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {group_score!r}")
+        super().__init__(scale, page_size, budget_tokens, sink_tokens, recent_tokens, dense_layers)
+        self.group_score = group_score
         self.kmin = self.kmax = None
         self.num_gpu_blocks = 0
 
+    @classmethod
+    def check_options(cls, config) -> None:
+        super().check_options(config)
+        check_range("sparse_token_budget", config.sparse_token_budget, 1)
+        if config.sparse_group_score not in COMBINES:
+            raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {config.sparse_group_score!r}")
+
+    @classmethod
+    def from_config(cls, config, scale: float) -> "QuestPolicy":
+        return cls(scale, config.sparse_page_size, config.sparse_token_budget, config.sparse_sink_tokens,
+                   config.sparse_recent_tokens, config.sparse_dense_layers, config.sparse_group_score)
+
+    @classmethod
+    def decode_pick_limit(cls, config) -> int:
+        return math.ceil(config.sparse_token_budget / config.sparse_page_size) * config.sparse_page_size
+
+    # ---- metadata ----------------------------------------------------------------------
     def metadata_bytes_per_block(self, num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * (block_size // QUEST_PAGE_SIZE) * num_kv_heads * head_dim * dtype.itemsize
+        return 2 * num_layers * (block_size // self.page_size) * num_kv_heads * head_dim * dtype.itemsize
 
     def allocate(self, num_layers, block_size, num_kv_heads, head_dim, dtype, device, num_gpu_blocks,
                  num_host_blocks) -> None:
         """Key bounds ``kmin``, ``kmax`` of every page: ``[num_layers, num_gpu_blocks +
-        num_host_blocks, pages, Hkv, D]``, indexed by metadata slot."""
-        shape = (num_layers, num_gpu_blocks + num_host_blocks, block_size // QUEST_PAGE_SIZE, num_kv_heads, head_dim)
+        num_host_blocks, pages per block, Hkv, D]``, indexed by metadata slot."""
+        shape = (num_layers, num_gpu_blocks + num_host_blocks, block_size // self.page_size, num_kv_heads, head_dim)
         self.kmin, self.kmax = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.num_gpu_blocks = num_gpu_blocks
 
-    def on_blocks_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
         keys = k_cache[:, gpu_ids]  # [L, n, B, Hkv, D]
-        pages = keys.view(*keys.shape[:2], -1, QUEST_PAGE_SIZE, *keys.shape[3:])
+        pages = keys.view(*keys.shape[:2], -1, self.page_size, *keys.shape[3:])
         self.kmin[:, gpu_ids] = pages.amin(3)
         self.kmax[:, gpu_ids] = pages.amax(3)
 
@@ -85,19 +87,8 @@ class QuestPolicy(SparsePolicy):
         for bounds in (self.kmin, self.kmax):
             bounds[:, gpu_ids] = bounds[:, self.num_gpu_blocks + host_ids]
 
-    def selects(self, num_blocks: int) -> bool:
-        return num_blocks > self.threshold_blocks and num_blocks > self.topk_blocks + 3
-
-    def fixed_decode_blocks(self, num_blocks: int) -> list[int]:
-        return [0, num_blocks - 2, num_blocks - 1]
-
-    def max_decode_picks(self, num_candidates: int) -> int:
-        return min(self.topk_blocks, num_candidates)
-
-    def select_decode_blocks(self, layer: int, q: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        bounds = quest_bounds(q, self.kmin[layer], self.kmax[layer], blocks.slots)
-        if tp_size() == 1:
-            return top_blocks(bounds, self.scale, self.topk_blocks)
-        scores = block_scores(bounds, self.scale)
-        dist.all_reduce(scores, op=dist.ReduceOp.SUM)  # this rank's heads -> all heads: TP=1's blocks
-        return select_top_blocks(scores, self.topk_blocks)
+    # ---- choice ------------------------------------------------------------------------
+    def select_decode_pages(self, layer: int, q: torch.Tensor, candidates: DecodeCandidates) -> torch.Tensor:
+        kmin, kmax = self.kmin[layer].flatten(0, 1), self.kmax[layer].flatten(0, 1)  # [metadata pages, Hkv, D]
+        bounds = page_bounds(q, kmin, kmax, candidates.pages)
+        return top_pages(page_scores(bounds, self.scale, kmin.shape[1], self.group_score), self.budget_pages)

@@ -10,7 +10,7 @@ import torch
 from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_memory import HostMemory, registered_pointers_agree
 from nanovllm.kvcache.host_tier import HostTier
-from nanovllm.ops import gather_host_blocks, gather_host_blocks_ref
+from nanovllm.ops import gather_host_pages, gather_host_pages_ref
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -52,13 +52,18 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     tier.load(0, 2, 5)
     k, v = tier.wait(0)
     assert torch.equal(k, gpu[0, 2, 2]) and torch.equal(v, gpu[1, 2, 2])
-    rows = torch.zeros(2, 4, *shape, device=DEVICE, dtype=dtype)
+    page = 16
+    ppb = shape[0] // page
+    k_pages, v_pages = (cache[1].view(-1, page, *shape[1:]) for cache in (tier.k_host, tier.v_host))
+    rows = torch.zeros(2, 4, page, *shape[1:], device=DEVICE, dtype=dtype)
     ref = rows.clone()
-    src, dst = torch.tensor([23, -1, 0, 5], device=DEVICE), torch.tensor([0, 1, 2, 3], device=DEVICE)
-    gather_host_blocks(tier.k_host[1], tier.v_host[1], src, rows[0], rows[1], dst)
-    gather_host_blocks_ref(tier.k_host[1], tier.v_host[1], src, ref[0], ref[1], dst)
+    src = torch.tensor([23 * ppb, -1, 1, 5 * ppb + 2], device=DEVICE)  # (host block, page): (23, 0), skip, (0, 1), (5, 2)
+    heads = torch.tensor([0, 0, shape[1] - 1, 0], device=DEVICE)
+    dst = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    gather_host_pages(k_pages, v_pages, src, heads, rows[0], rows[1], dst)
+    gather_host_pages_ref(k_pages, v_pages, src, heads, ref[0], ref[1], dst)
     torch.cuda.synchronize()
-    assert torch.equal(rows, ref) and torch.equal(rows[0, 0], gpu[0, 1, 3])
+    assert torch.equal(rows, ref) and torch.equal(rows[0, 0, :, 0], gpu[0, 1, 3, :page, 0])
     tier.free_memory()
     assert tier.memory.bytes_pinned == 0
 

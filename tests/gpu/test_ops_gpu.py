@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 from _gpu_util import assert_close
-from _util import selection_case
 
 from nanovllm.ops import (
     KVStore,
@@ -19,10 +18,8 @@ from nanovllm.ops import (
     decode_attention_ref,
     flash_attn_with_lse,
     flash_attn_with_lse_ref,
-    gather_host_blocks,
-    gather_host_blocks_ref,
-    selected_reads,
-    selected_reads_ref,
+    gather_host_pages,
+    gather_host_pages_ref,
     merge_attention_outputs,
     merge_attention_outputs_ref,
     prefill_attention,
@@ -74,32 +71,53 @@ def test_store_kvcache_matches_reference():
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_gather_host_blocks_reads_a_pinned_host_tier_bit_for_bit(ids_dtype):
-    """The source is one layer of a pinned CPU tier (read by the kernel through UVA), 4096-token
-    blocks of 8 x 128 bf16 (8 MiB), destinations rows of a layer-strided GPU tier; ids on the
-    device with skipped entries."""
+@pytest.mark.parametrize("page", [16, 64])
+def test_gather_host_pages_reads_a_pinned_host_tier_bit_for_bit(ids_dtype, page):
+    """The source is one layer of a pinned CPU tier viewed as pages (read by the kernel through
+    UVA), 4096-token blocks of 8 x 128 bf16, destinations pages of a layer-strided GPU tier;
+    (page, KV head) entries on the device with skipped ones and two heads of one page."""
     host = torch.randn(2, 2, 12, 4096, 8, 128, dtype=torch.bfloat16).pin_memory()  # [K/V, L, Nh, ...]
     assert host.is_pinned()
     tier = torch.randn(2, 3, 6, 4096, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    src = torch.tensor([11, -1, 0, 7, -1, 3], device=DEVICE, dtype=ids_dtype)
-    dst = torch.tensor([5, 0, 1, 4, 2, 0], device=DEVICE, dtype=ids_dtype)
+    per_block = 4096 // page
+    src = torch.tensor([11 * per_block + 3, -1, 0, 7 * per_block, -1, 11 * per_block + 3], device=DEVICE,
+                       dtype=ids_dtype)
+    heads = torch.tensor([0, 1, 7, 3, 0, 5], device=DEVICE, dtype=ids_dtype)
+    dst = torch.tensor([5, 0, 1, 4 * per_block + 2, 2, 5], device=DEVICE, dtype=ids_dtype)
     expected = tier.clone()
-    gather_host_blocks_ref(host[0, 1], host[1, 1], src, expected[0, 2], expected[1, 2], dst)
-    gather_host_blocks(host[0, 1], host[1, 1], src, tier[0, 2], tier[1, 2], dst)
+
+    def pages(t):
+        return t.view(-1, page, 8, 128)
+
+    gather_host_pages_ref(pages(host[0, 1]), pages(host[1, 1]), src, heads, pages(expected[0, 2]),
+                          pages(expected[1, 2]), dst)
+    gather_host_pages(pages(host[0, 1]), pages(host[1, 1]), src, heads, pages(tier[0, 2]), pages(tier[1, 2]), dst)
     torch.cuda.synchronize()
     assert torch.equal(tier, expected)
-    assert torch.equal(tier[:, 2, [5, 1, 4, 0]].cpu(), host[:, 1, [11, 0, 7, 3]])
+    assert torch.equal(pages(tier[0, 2])[5, :, 5].cpu(), pages(host[0, 1])[11 * per_block + 3, :, 5])
 
 
-@pytest.mark.parametrize("batch,others,width,k,victims,groups", [
-    (1, 0, 32, 4, 4, 1), (64, 8, 40, 8, 100, 1), (200, 0, 130, 16, 0, 4), (256, 100, 600, 32, 2000, 2)])
-def test_selected_reads_matches_reference(batch, others, width, k, victims, groups):
-    """The one-launch gather list and block tables equal the torch reference's (integers), up to
-    256 sequences, 600 blocks and top-k 32."""
-    for seed in range(3):
-        case = selection_case(seed, batch, others, width, k, victims, groups, device=DEVICE)
-        for got, want in zip(selected_reads(**case), selected_reads_ref(**case)):
-            assert got.dtype == want.dtype and torch.equal(got, want)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page", [16, 32])
+def test_decode_per_head_page_tables_match_reference(dtype, page):
+    """The paged decode kernel reading a table of pages per KV head (the cache viewed as pages,
+    -1 entries masked) equals the reference, and with every head reading the shared table equals
+    the shared-table kernel: the page-level read costs nothing in accuracy."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    batch, heads_q, heads_kv, dim, pages, width = 16, 32, 8, 128, 4096, 96
+    k, v = (torch.randn(pages, page, heads_kv, dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(batch, heads_q, dim, device=DEVICE, generator=gen).to(dtype)
+    tables = torch.randint(0, pages, (batch, heads_kv, width), device=DEVICE, generator=gen, dtype=torch.int32)
+    tables[0, 3, 10] = -1
+    lens = torch.randint(1, width * page + 1, (batch,), device=DEVICE, generator=gen, dtype=torch.int32)
+    for num_splits in (None, 1, 4):
+        out, lse = decode_attention(q, k, v, tables, lens, dim**-0.5, num_splits=num_splits, return_lse=True)
+        ref, ref_lse = decode_attention_ref(q, k, v, tables, lens, dim**-0.5, return_lse=True)
+        assert_close(out, ref.float(), rel=1e-2, atol=2e-2)
+        assert (lse - ref_lse).abs().max() <= 1e-2
+    shared = tables[:, :1].expand(-1, heads_kv, -1).contiguous()
+    assert_close(decode_attention(q, k, v, shared, lens, dim**-0.5), decode_attention(q, k, v, shared[:, 0], lens,
+                                                                                     dim**-0.5), rel=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("dim", [64, 128])

@@ -1,8 +1,8 @@
-"""QUEST on the GPU: the scoring kernel against its reference at real shapes (bfloat16 included,
-which Triton's interpreter cannot check), and the CUDA decode path of a choosing policy (picks
-read back through an event, reuse-cache loads on their own streams, the ring's serial plan) on a
-tiny checkpoint in float32: reading every block it equals FULL, and the reuse cache changes
-traffic, not tokens. Run on the device:
+"""QUEST on the GPU: the page-bounds kernel against its reference at real shapes (bfloat16
+included, which Triton's interpreter cannot check), and the CUDA decode path of a choosing policy
+(per-KV-head page tables, host pages gathered in place, the reuse cache, the ring of the rows that
+read everything) on a tiny checkpoint in float32: picking every page it equals FULL, and the reuse
+cache changes traffic, not tokens. Run on the device:
 
     python -m pytest tests/gpu/test_quest_gpu.py -q
 """
@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
-from nanovllm.sparse import QuestPolicy
-from nanovllm.ops.quest_scores import quest_bounds, quest_bounds_ref, top_blocks
-from test_quest import assert_same_picks, random_bounds
+from nanovllm.ops.quest_scores import page_bounds, page_bounds_ref
+from nanovllm.sparse.choosing import ChoosingPolicy
 
 pytestmark = pytest.mark.gpu
 
@@ -21,28 +20,20 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # Hq, Hkv,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_quest_bounds_kernel_equals_reference(shape, dtype):
-    """4,096-token blocks (256 pages), 3 sequences over 40 slots with padding and fixed blocks."""
+def test_page_bounds_kernel_equals_reference(shape, dtype):
+    """3 sequences over 2,000 candidate pages of 16 tokens (32K tokens) among 4,096 metadata
+    pages, with padding."""
     heads_q, heads_kv, dim = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    keys = torch.randn(40, 256, 16, heads_kv, dim, device="cuda", generator=gen)
-    kmin, kmax = keys.amin(2).to(dtype), keys.amax(2).to(dtype)
+    keys = torch.randn(4096, 16, heads_kv, dim, device="cuda", generator=gen)
+    kmin, kmax = keys.amin(1).to(dtype), keys.amax(1).to(dtype)
     q = torch.randn(3, heads_q, dim, device="cuda", generator=gen).to(dtype)
-    slots = torch.randint(0, 40, (3, 33), device="cuda", generator=gen)
-    slots[:, 0] = slots[:, -1] = -1
-    slots[2, 20:] = -1
-    got, want = quest_bounds(q, kmin, kmax, slots), quest_bounds_ref(q, kmin, kmax, slots)
-    assert torch.equal(torch.isinf(got), (slots < 0)[..., None].expand_as(got))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
-
-
-@pytest.mark.parametrize("blocks,heads,topk", [(32, 32, 4), (33, 14, 8), (1000, 32, 8), (5000, 14, 16)])
-def test_top_blocks_kernel_equals_reference(blocks, heads, topk):
-    """The compiled selection kernel picks the reference's blocks (to float rounding of the
-    scores), at 130K tokens of 4,096-token blocks and up to 5,000 blocks (heads in several tiles)."""
-    for seed in range(3):
-        bounds = random_bounds(seed, 5, blocks, heads).cuda()
-        assert_same_picks(top_blocks(bounds, 0.088, topk).cpu(), bounds.cpu(), 0.088, topk)
+    pages = torch.randint(0, 4096, (3, 2000), device="cuda", generator=gen)
+    pages[2, 1200:] = -1
+    got, want = page_bounds(q, kmin, kmax, pages), page_bounds_ref(q, kmin, kmax, pages)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
 
 
 def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qwen3_dir, monkeypatch):
@@ -51,17 +42,21 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
                 enable_cpu_offload=True, num_cpu_kvcache_blocks=64, num_ring_slots=3)
     with build_llm(qwen3_dir, **opts) as llm:
         ref = generate_with_logits(llm, prompts, 48)
-    quest = dict(sparse_policy="QUEST", sparse_threshold_blocks=0)
     with monkeypatch.context() as patch:
-        patch.setattr(QuestPolicy, "selects", lambda self, num_blocks: num_blocks > 3)
+        patch.setattr(ChoosingPolicy, "selects", lambda self, num_pages: num_pages > self.num_fixed_pages)
         for reuse in (0, 2, 32):
-            with build_llm(qwen3_dir, **opts, **quest, sparse_topk_blocks=16, num_reuse_cache_blocks=reuse) as llm:
+            with build_llm(qwen3_dir, **opts, sparse_policy="QUEST", sparse_token_budget=3100,
+                           num_reuse_cache_blocks=reuse) as llm:
                 tokens, logits = generate_with_logits(llm, prompts, 48)
             assert tokens == ref[0], reuse
             assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(logits, ref[1])), reuse
     stats = {}
     for reuse in (0, 4):
-        with build_llm(qwen3_dir, **opts, **quest, sparse_topk_blocks=1, num_reuse_cache_blocks=reuse) as llm:
+        with build_llm(qwen3_dir, **opts, sparse_policy="QUEST", sparse_token_budget=64,
+                       num_reuse_cache_blocks=reuse) as llm:
             stats[reuse] = generate_with_logits(llm, prompts, 48)[0], llm.get_sparse_stats()["decode"]
     assert stats[0][0] == stats[4][0]
-    assert stats[4][1]["loaded_host_blocks"] + stats[4][1]["reused_host_blocks"] == stats[0][1]["loaded_host_blocks"]
+    without, with_reuse = stats[0][1], stats[4][1]
+    assert with_reuse["reused_host_pages"] > 0 and without["reused_host_pages"] == 0
+    assert with_reuse["read_host_pages"] == without["read_host_pages"]
+    assert with_reuse["loaded_host_bytes"] < without["loaded_host_bytes"]

@@ -66,7 +66,7 @@ def _attend(threshold, q, k, v, context, k_cache, v_cache, host=None):
     attention.bind(torch.stack((k_cache, v_cache)), TierRows(1, k_cache.shape[0], 0), host)  # slots -1: a copy
     set_context(context)
     try:
-        return attention.forward(0, q, k, v), attention.stats.to_dict(False)["prefill"]
+        return attention.forward(0, q, k, v), attention.stats.to_dict(dense_prefill=False, dense_decode=True)["prefill"]
     finally:
         reset_context()
 
@@ -120,7 +120,7 @@ def test_prefix_with_host_blocks_equals_the_gpu_tier():
         v_cache[table[page]] = float("nan")
     got, stats = _attend(0.8, q, k, v, context, k_cache, v_cache, host)
     assert torch.equal(got, want)
-    assert stats["loaded_host_blocks"] == 2 and host.bytes_h2d == 2 * 2 * host.block_bytes
+    assert stats["loaded_host_bytes"] == 2 * host.layer_block_bytes and host.bytes_h2d == 2 * host.layer_block_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,61 @@
+"""What the policies that choose decode pages share: their options and the pages every sequence
+reads (attention sinks, the recent window, the page being written).
+
+The always-read pages follow StreamingLLM (Xiao et al., "Efficient Streaming Language Models with
+Attention Sinks", ICLR 2024): the first tokens collect attention whatever the query, the recent
+ones carry the local context (for a prompt, its question and the answer so far). Each is rounded
+up to whole pages; the reads are counted in the decode density.
+"""
+import math
+
+from nanovllm.sparse.policy import SparsePolicy
+from nanovllm.utils.checks import check_range
+
+PAGE_SIZES = (16, 32, 64)
+"""Tokens per page a choosing policy may use (``sparse_page_size``)."""
+
+
+class ChoosingPolicy(SparsePolicy):
+    """A policy that chooses decode pages per KV head (subclasses pick; see ``policy.py``).
+
+    Args: scale; page_size (tokens per page, in :data:`PAGE_SIZES`); budget_tokens (picks per KV
+    head and step, rounded up to whole pages; 0: none); sink_tokens, recent_tokens (always read,
+    rounded up to whole pages); dense_layers (the first layers read every page).
+
+    Raises:
+        ValueError: a value out of range (see :meth:`check_options`).
+    """
+
+    chooses_decode_pages = True
+    options = ("sparse_page_size", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_dense_layers")
+
+    def __init__(self, scale: float, page_size: int, budget_tokens: int, sink_tokens: int, recent_tokens: int,
+                 dense_layers: int):
+        super().__init__(scale)
+        if page_size not in PAGE_SIZES:
+            raise ValueError(f"sparse_page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+        for name, value in (("sparse_token_budget", budget_tokens), ("sparse_sink_tokens", sink_tokens),
+                            ("sparse_recent_tokens", recent_tokens), ("sparse_dense_layers", dense_layers)):
+            check_range(name, value, 0)
+        self.page_size = page_size
+        self.budget_pages = math.ceil(budget_tokens / page_size)
+        self.sink_pages, self.recent_pages = math.ceil(sink_tokens / page_size), math.ceil(recent_tokens / page_size)
+        self.dense_layers = dense_layers
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        """``sparse_page_size`` one of :data:`PAGE_SIZES` dividing ``kvcache_block_size``;
+        ``sparse_sink_tokens`` and ``sparse_recent_tokens`` in ``[0, max_model_len]``;
+        ``sparse_dense_layers`` >= 0."""
+        page = config.sparse_page_size
+        if page not in PAGE_SIZES or config.kvcache_block_size % page:
+            raise ValueError(f"sparse_page_size must be one of {PAGE_SIZES} and divide kvcache_block_size="
+                             f"{config.kvcache_block_size}, got {page!r}")
+        for name in ("sparse_sink_tokens", "sparse_recent_tokens"):
+            check_range(name, getattr(config, name), 0, config.max_model_len)
+        check_range("sparse_dense_layers", config.sparse_dense_layers, 0)
+
+    @classmethod
+    def decode_fixed_tokens(cls, config) -> int:
+        page = config.sparse_page_size
+        return (math.ceil(config.sparse_sink_tokens / page) + math.ceil(config.sparse_recent_tokens / page) + 1) * page
