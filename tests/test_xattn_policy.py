@@ -47,7 +47,7 @@ def test_threshold_one_equals_full_with_spilled_blocks(qwen3_dir, prompts, full_
     _assert_same(got, full_tiered)
     prefill = got[2]["prefill"]
     assert prefill["density"] == 1.0 and prefill["kept_blocks"] == prefill["visible_blocks"] > 0
-    assert prefill["comm_density"] == 1.0 and prefill["available_host_blocks"] > 0
+    assert prefill["comm_density"] == 1.0 and prefill["available_host_bytes"] > 0
     assert got[2]["decode"]["comm_density"] == 1.0, "decode is full attention"
 
 
