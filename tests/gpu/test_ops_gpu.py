@@ -365,7 +365,10 @@ def test_apply_rotary_partial_interleaved_longrope_matches_reference(dtype, shap
     positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
     got = apply_rotary(positions, q, k, cache, interleaved=interleaved)
     for x, a, b in zip((q, k), got, apply_rotary_ref(positions, q, k, cache, interleaved=interleaved)):
-        assert_close(a, b, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        if dtype == torch.bfloat16:  # one rounding apart: up to an ulp of the largest value (LongRoPE scales it up)
+            assert_close(a, b, rel=1e-2, atol=float(b.abs().max()) * 2.0**-7)
+        else:
+            assert_close(a, b, rel=1e-5)
         assert torch.equal(a[..., rot:], x[..., rot:])
     slots = torch.randperm(8 * 256, device=DEVICE)[:tokens].int()
     slots[::7] = -1
