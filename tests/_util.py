@@ -198,3 +198,14 @@ def assert_same(actual, expected, float_tol: float, where: str = "outputs"):
             assert_same(a, e, float_tol, f"{where}[{i}]")
     else:
         assert actual == expected, (where, actual, expected)
+
+
+def prefill(bm, seq):
+    """Admit ``seq`` to block manager ``bm`` and write its whole prompt, as the scheduler's chunks
+    would."""
+    bm.allocate(seq)
+    while seq.num_computed_tokens < len(seq):
+        n = bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens)
+        assert n > 0
+        seq.num_computed_tokens += n
+        bm.commit(seq)

@@ -9,7 +9,7 @@ import mmap
 
 import pytest
 
-from _util import build_llm, greedy, random_prompt
+from _util import build_llm, greedy, prefill, random_prompt
 from nanovllm.kvcache import host_memory
 from nanovllm.kvcache.block_manager import BlockManager, compute_block_hash
 from nanovllm.sequence import Sequence
@@ -89,24 +89,15 @@ def _seq(tokens):
     return Sequence(tokens, SamplingParams(temperature=0.0), BLOCK)
 
 
-def _prefill(bm, seq):
-    bm.allocate(seq)
-    while seq.num_computed_tokens < len(seq):
-        n = bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens)
-        assert n > 0
-        seq.num_computed_tokens += n
-        bm.commit(seq)
-
-
 def test_a_reused_registered_gpu_block_is_written_back_and_hit_on_the_host():
     bm = BlockManager(4, BLOCK, num_host_blocks=8)
     a = _seq(random_prompt(3 * BLOCK, seed=520))
-    _prefill(bm, a)
+    prefill(bm, a)
     a_gpu = list(a.block_table)
     bm.deallocate(a)
     assert bm.take_moves() == []
     b = _seq(random_prompt(4 * BLOCK - 10, seed=521))
-    _prefill(bm, b)
+    prefill(bm, b)
     moves = bm.take_moves()
     assert [m.gpu for m in moves] == a_gpu[::-1] and all(m.to_host for m in moves), "a's tail first (freed first)"
     assert [bm.index[h].tier for h in _block_hashes(a.token_ids)] == ["host"] * 3
@@ -129,10 +120,10 @@ def test_loaded_back_blocks_keep_their_host_copy():
     """A loaded-back block spills and is written back again without a copy."""
     bm = BlockManager(4, BLOCK, num_host_blocks=8)
     a = _seq(random_prompt(2 * BLOCK, seed=530))
-    _prefill(bm, a)
+    prefill(bm, a)
     bm.deallocate(a)
     filler = _seq(random_prompt(4 * BLOCK, seed=531))
-    _prefill(bm, filler)  # writes a's two blocks back
+    prefill(bm, filler)  # writes a's two blocks back
     bm.deallocate(filler)
     bm.take_moves()
     again = _seq(a.token_ids + [5] * 3)
@@ -152,15 +143,15 @@ def test_loaded_back_blocks_keep_their_host_copy():
 def test_write_backs_drop_the_coldest_free_host_entries_never_a_live_block():
     bm = BlockManager(4, BLOCK, num_host_blocks=2)
     live = _seq(random_prompt(2 * BLOCK + 5, seed=540))
-    _prefill(bm, live)
+    prefill(bm, live)
     bm.placement.add(live.block_table[1], 1)
     assert bm.tiers.spill_coldest()  # live block 1 on the host: host tier 1 free block
     bm.take_moves()
     a = _seq(random_prompt(BLOCK, seed=541))
-    _prefill(bm, a)
+    prefill(bm, a)
     bm.deallocate(a)
     b = _seq(random_prompt(BLOCK, seed=542))
-    _prefill(bm, b)
+    prefill(bm, b)
     bm.deallocate(b)
     big = _seq(random_prompt(2 * BLOCK, seed=543))  # takes a's and b's free GPU blocks
     bm.allocate(big)

@@ -9,7 +9,7 @@ block manager's placement and the attention pipeline against the references.
 import pytest
 import torch
 
-from _util import build_llm, generate_with_logits, greedy, random_prompt
+from _util import build_llm, generate_with_logits, greedy, prefill, random_prompt
 from nanovllm.sparse.choosing import ChoosingPolicy
 
 BLOCK = 256
@@ -201,22 +201,12 @@ def _seq(n, seed):
     return Sequence(random_prompt(n, seed=seed), SamplingParams(temperature=0.0), BLOCK)
 
 
-def _prefill(bm, seq):
-    """Admit and write the whole prompt, as the scheduler's chunks would."""
-    bm.allocate(seq)
-    while seq.num_computed_tokens < len(seq):
-        n = bm.ensure_writable(seq, len(seq) - seq.num_computed_tokens)
-        assert n > 0
-        seq.num_computed_tokens += n
-        bm.commit(seq)
-
-
 def test_spills_coldest_full_blocks_never_the_first_or_the_written_one():
     from nanovllm.kvcache.block_manager import BlockManager
 
     bm = BlockManager(4, BLOCK, num_host_blocks=8)
     a = _seq(3 * BLOCK + 10, 1)  # 4 blocks: 3 full + 1 partial (the one a writes next)
-    _prefill(bm, a)
+    prefill(bm, a)
     assert bm.take_moves() == [] and all(g >= 0 for g in a.block_table), "4 free GPU blocks: no spill"
     b = _seq(2 * BLOCK, 2)
     bm.allocate(b)
@@ -243,7 +233,7 @@ def test_spill_moves_a_shared_block_for_every_sharer_and_keeps_its_registration(
 
     bm = BlockManager(6, BLOCK, num_host_blocks=8)
     a = _seq(3 * BLOCK, 3)
-    _prefill(bm, a)
+    prefill(bm, a)
     from nanovllm.sequence import Sequence
 
     b = Sequence(a.token_ids[:2 * BLOCK] + [5] * 10, a.sampling_params, BLOCK)
