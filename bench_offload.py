@@ -73,7 +73,8 @@ def _engine_kwargs(args, mode: str) -> dict:
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
                   max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
                   max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy)
-    kwargs.update({name: getattr(args, name) for name in SPARSE_OPTIONS if getattr(args, name) is not None})
+    if policy == args.sparse_policy:  # the FULL baseline takes none of the policy's options
+        kwargs.update({name: getattr(args, name) for name in SPARSE_OPTIONS if getattr(args, name) is not None})
     if args.num_kvcache_blocks is not None:
         kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks
     if mode != "gpu":

@@ -237,3 +237,21 @@ def test_quest_with_prefix_cache_hits_equals_full(qwen3_dir, monkeypatch):
         got = generate_with_logits(llm, prompts, 8)
         assert llm.get_kv_cache_stats()["prefix_cache_hit_tokens"] >= 2 * 512
     assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
+
+
+def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
+    """``bench_offload.py --modes tiered,tiered-full --sparse-policy QUEST --sparse-token-budget N``:
+    the QUEST mode takes the budget, the FULL baseline (which would refuse it) does not."""
+    import types
+
+    import bench_offload
+
+    args = types.SimpleNamespace(input_len=1000, decode_tokens=8, block_size=256, num_seqs=1, enforce_eager=True,
+                                 device="cpu", max_num_batched_tokens=512, sparse_policy="QUEST",
+                                 num_kvcache_blocks=2, num_ring_slots=2, num_cpu_kvcache_blocks=-1,
+                                 num_reuse_cache_blocks=-1,
+                                 **{name: None for name in bench_offload.SPARSE_OPTIONS})
+    args.sparse_token_budget = 512
+    quest, full = (bench_offload._engine_kwargs(args, mode) for mode in ("tiered", "tiered-full"))
+    assert quest["sparse_policy"] == "QUEST" and quest["sparse_token_budget"] == 512
+    assert full["sparse_policy"] == "FULL" and not set(bench_offload.SPARSE_OPTIONS) & set(full)

@@ -99,17 +99,20 @@ class HostMemory:
     num_blocks, *block_shape]`` of ``dtype`` on the CPU.
 
     Args: num_layers; num_blocks (>= 1); block_shape (``(block_size, Hkv, D)``); dtype; device
-    (CUDA: pinned on demand; CPU: bookkeeping only); chunk_bytes (default
-    :data:`PIN_CHUNK_BYTES`).
+    (CUDA: pinned at once unless ``on_demand``; CPU: the on-demand bookkeeping only); chunk_bytes
+    (default :data:`PIN_CHUNK_BYTES`); on_demand (pin chunk by chunk; default: on CPU only, since
+    on CUDA the first copy into a registered mapping crashed, docs/kvcache.md).
 
     Raises:
         RuntimeError: the memory cannot be mapped or (the eager fallback) pinned, with the bytes.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, chunk_bytes: int | None = None):
-        self.num_layers, self.num_blocks, self.device = num_layers, num_blocks, device
+                 device: torch.device, chunk_bytes: int | None = None, on_demand: bool | None = None):
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # the pinning thread sets this device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_layers, self.num_blocks, self.device = num_layers, num_blocks, device
         block_elems = math.prod(block_shape)
         self.block_bytes = block_elems * dtype.itemsize
         """Bytes of one layer of one block, keys or values."""
@@ -125,9 +128,7 @@ class HostMemory:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.wait_s, self.num_waits = 0.0, 0
-        # On CUDA the tier is pinned at once: the first copy into a registered mapping crashed
-        # (docs/kvcache.md, "When host memory is pinned"); the on-demand path runs on CPU only.
-        self.eager = self.cuda
+        self.eager = self.cuda if on_demand is None else not on_demand
         shape = (num_layers, num_blocks, *block_shape)
         if self.eager:
             logger.info("the host tier's %.2f GiB are pinned at once (cudaHostAlloc)", self.capacity_bytes / 2**30)

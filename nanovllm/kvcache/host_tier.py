@@ -53,18 +53,19 @@ class _NullEvent:
 class HostTier:
     """Args: num_layers, block_size, num_kv_heads, head_dim, dtype, device (the KV geometry of
     this rank); num_blocks (host blocks, >= 1); num_slots (ring slots, >= 2); chunk_bytes (bytes
-    pinned at a time, ``host_memory.PIN_CHUNK_BYTES`` by default).
+    pinned at a time, ``host_memory.PIN_CHUNK_BYTES`` by default); on_demand (``HostMemory``'s).
 
     Raises:
         RuntimeError: host memory cannot be mapped or pinned (with the byte counts).
     """
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, num_slots: int, chunk_bytes: int | None = None):
+                 device: torch.device, num_blocks: int, num_slots: int, chunk_bytes: int | None = None,
+                 on_demand: bool | None = None):
         self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
         self.num_slots, self.device, self.cuda = num_slots, device, device.type == "cuda"
         block_shape = (block_size, num_kv_heads, head_dim)
-        self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes)
+        self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes, on_demand)
         self.k_host, self.v_host = self.memory.k, self.memory.v
         # Uninitialised on purpose: a slot is written before it is read, valid lengths bound reads.
         self.k_slots, self.v_slots = (torch.empty(num_slots, *block_shape, dtype=dtype, device=device)

@@ -77,7 +77,8 @@ def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
         assert bm.num_free_blocks == bm.gpu.num_blocks
     gc.collect()
     torch.cuda.empty_cache()
-    return [{k: v for k, v in dataclasses.asdict(o).items() if k != "request_id"} for o in outputs], \
+    return [{k: v for k, v in dataclasses.asdict(o).items() if k not in ("request_id", "metrics")}
+            for o in outputs], \
         stats, ahead[0], seconds
 
 

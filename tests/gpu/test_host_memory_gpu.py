@@ -1,4 +1,5 @@
-"""Host memory pinned on demand (``nanovllm/kvcache/host_memory.py``) on the GPU: registered
+"""Host memory pinned on demand (``nanovllm/kvcache/host_memory.py``, ``on_demand=True``; the engine
+pins at once on CUDA until these pass, docs/kvcache.md) on the GPU: registered
 memory is read by the UVA gather kernel at its host address, copied by the strided spill copies
 and the ring, and torch sees it as pinned.
 
@@ -20,8 +21,13 @@ def test_the_device_reads_registered_memory_at_its_host_address():
     assert registered_pointers_agree()
 
 
+def test_the_engine_pins_at_once_on_cuda():
+    memory = HostMemory(2, 8, (16, 2, 64), torch.bfloat16, DEVICE)
+    assert memory.eager and memory.k.is_pinned() and memory.bytes_pinned == memory.capacity_bytes
+
+
 def test_chunks_are_pinned_in_the_background_and_released():
-    memory = HostMemory(4, 64, (256, 2, 64), torch.bfloat16, DEVICE, chunk_bytes=8 << 20)
+    memory = HostMemory(4, 64, (256, 2, 64), torch.bfloat16, DEVICE, chunk_bytes=8 << 20, on_demand=True)
     assert not memory.eager and memory.chunk_blocks == 32 and memory.bytes_pinned == 0
     memory.start()
     memory.ensure(1)
@@ -37,7 +43,8 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     """Blocks spilled into a late chunk (the copy waits for its pinning), loaded back, read
     through the ring and gathered by the UVA kernel: all equal the GPU blocks they came from."""
     layers, blocks, shape = 3, 24, (256, 2, 64)
-    tier = HostTier(layers, shape[0], shape[1], shape[2], dtype, DEVICE, blocks, 2, chunk_bytes=1 << 20)
+    tier = HostTier(layers, shape[0], shape[1], shape[2], dtype, DEVICE, blocks, 2, chunk_bytes=1 << 20,
+                    on_demand=True)
     gpu = torch.randn(2, layers, 8, *shape, device=DEVICE).to(dtype)
     moves = [BlockMove(g, h, True) for g, h in ((1, 0), (2, 5), (3, 23))]
     tier.move(moves, gpu[0], gpu[1])

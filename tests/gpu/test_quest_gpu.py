@@ -58,5 +58,5 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
     assert stats[0][0] == stats[4][0]
     without, with_reuse = stats[0][1], stats[4][1]
     assert with_reuse["reused_host_pages"] > 0 and without["reused_host_pages"] == 0
-    assert with_reuse["read_host_pages"] == without["read_host_pages"]
+    assert with_reuse["read_host_pages"] > 0 and without["reuse_rate"] is None  # counted with a reuse cache only
     assert with_reuse["loaded_host_bytes"] < without["loaded_host_bytes"]
