@@ -37,6 +37,12 @@ def fp8_mantissa_bits(dtype: torch.dtype) -> int:
     return {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
 
 
+def fp8_subnormal_spacing(dtype: torch.dtype) -> float:
+    """The step between the subnormal values of the fp8 format ``dtype``, below its smallest normal
+    ``torch.finfo(dtype).smallest_normal`` (2^-9 for e4m3fn, 2^-16 for e5m2)."""
+    return torch.finfo(dtype).smallest_normal / 2 ** fp8_mantissa_bits(dtype)
+
+
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype, static_scale: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, Hkv, D]`` (any float dtype) to fp8 ``dtype`` (module doc).

@@ -6,7 +6,8 @@ from typing import NamedTuple
 import torch
 
 from ._triton import cdiv, check_head_dim, next_pow2, tl, triton, use_triton
-from .kv_quant import MIN_SCALE, check_scales, dequantize, fp8_mantissa_bits, fp8_max, quantize_ref
+from .kv_quant import (MIN_SCALE, check_scales, dequantize, fp8_mantissa_bits, fp8_max, fp8_subnormal_spacing,
+                       quantize_ref)
 
 
 class KVScales(NamedTuple):
@@ -87,19 +88,25 @@ def store_kvcache_ref(
 
 
 @triton.jit
-def _round_mantissa(x, MANTISSA: tl.constexpr):
-    """float32 ``x`` rounded to ``MANTISSA`` mantissa bits, to nearest even, on its bits (a carry
-    raises the exponent). The fp8 cast of the result is exact in the normal range, so the GPU and
-    Triton's interpreter (whose fp8 cast drops the carry) store the same bits as torch's cast."""
+def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, SPACING: tl.constexpr):
+    """float32 ``x`` (within the fp8 range) rounded to the grid of the fp8 format with ``MANTISSA``
+    mantissa bits, smallest normal ``MIN_NORMAL`` and subnormal step ``SPACING``, to nearest even:
+    normal values on their bits (a carry raises the exponent), subnormal ones to multiples of the
+    step (adding 1.5 * 2^23 rounds the magnitude to an integer; the step is a power of two, so the
+    scalings are exact). The fp8 cast of the result is exact, so the GPU and Triton's interpreter (whose fp8 cast
+    drops the carry) store the bits of torch's cast."""
     SHIFT: tl.constexpr = 23 - MANTISSA
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & -(1 << SHIFT)
-    return bits.to(tl.float32, bitcast=True)
+    normal = ((bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & -(1 << SHIFT)).to(tl.float32, bitcast=True)
+    subnormal = ((tl.abs(x) / SPACING + 12582912.0) - 12582912.0) * SPACING
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit kept (-0.0 included)
+    return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal)
 
 
 @triton.jit
 def _quantize(x, mask, scale_ptr, static_scale, saturated_ptr, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr,
-              FP8_MANTISSA: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
+              FP8_MANTISSA: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SPACING: tl.constexpr,
+              MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
     """``x`` ``[BLOCK_H, BLOCK_D]`` (zero where masked) scaled into the fp8 range, per head row,
     and rounded to its grid; the row scales stored at ``scale_ptr`` ``[BLOCK_H]`` (rows of
     ``mask``); clamped elements counted into ``saturated_ptr`` (static scales)."""
@@ -113,7 +120,7 @@ def _quantize(x, mask, scale_ptr, static_scale, saturated_ptr, BLOCK_H: tl.const
     if STATIC:
         tl.atomic_add(saturated_ptr, tl.sum(tl.sum(((tl.abs(x) > FP8_MAX) & mask).to(tl.int64), 1), 0))
     tl.store(scale_ptr, scale, mask=rows)
-    return _round_mantissa(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8_MANTISSA)
+    return _round_to_fp8_grid(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8_MANTISSA, FP8_MIN_NORMAL, FP8_SPACING)
 
 
 @triton.jit
@@ -125,7 +132,8 @@ def _store_kv_kernel(
     stride_ksb, stride_kss, stride_vsb, stride_vss,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, STATIC: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SPACING: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     """One token: its keys and values of every KV head into its slot; ``QUANTIZE`` (an fp8
     cache): each head row scaled into the fp8 range first (``_quantize``), its scale stored beside
@@ -144,10 +152,10 @@ def _store_kv_kernel(
         heads = tl.arange(0, BLOCK_H)
         k = _quantize(k, mask, k_scale_ptr + block * stride_ksb + offset * stride_kss + heads, static_k_scale,
                       saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
-                      MIN_SCALE, STATIC)
+                      FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
         v = _quantize(v, mask, v_scale_ptr + block * stride_vsb + offset * stride_vss + heads, static_v_scale,
                       saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
-                      MIN_SCALE, STATIC)
+                      FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -215,8 +223,10 @@ def store_kvcache(
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize, STATIC=static,
-        FP8_MAX=fp8_max(k_cache.dtype) if quantize else 1.0, FP8_MANTISSA=fp8_mantissa_bits(k_cache.dtype)
-        if quantize else 0, MIN_SCALE=MIN_SCALE,
+        FP8_MAX=fp8_max(k_cache.dtype) if quantize else 1.0,
+        FP8_MANTISSA=fp8_mantissa_bits(k_cache.dtype) if quantize else 0,
+        FP8_MIN_NORMAL=torch.finfo(k_cache.dtype).smallest_normal if quantize else 0.0,
+        FP8_SPACING=fp8_subnormal_spacing(k_cache.dtype) if quantize else 1.0, MIN_SCALE=MIN_SCALE,
     )
 
 

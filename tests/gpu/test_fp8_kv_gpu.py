@@ -48,12 +48,16 @@ def _fp8_cache(contexts, heads_kv, dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("static", [None, (0.01, 0.02)], ids=["dynamic", "static"])
-def test_store_kernel_equals_reference(dtype, static):
+@pytest.mark.parametrize("wide", [False, True], ids=["randn", "wide-range"])
+def test_store_kernel_equals_reference(dtype, static, wide):
+    """Bit for bit, subnormals and signed zeros included (``wide``: elements down to 1e-12 of a row's amax)."""
     g = torch.Generator(DEVICE).manual_seed(1)
     n, heads, dim = 3000, 8, 128
     slots = torch.randperm(40 * BLOCK_SIZE, device=DEVICE, generator=g)[:n]
     slots[::97] = -1
     key, value = (torch.randn(n, heads, dim, device=DEVICE, generator=g, dtype=torch.bfloat16) * 3 for _ in range(2))
+    if wide:
+        key = key * torch.logspace(-12, 0, dim, device=DEVICE, dtype=torch.bfloat16)
     got = []
     for store in (store_kvcache, store_kvcache_ref):
         caches = [torch.zeros(40, BLOCK_SIZE, heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
