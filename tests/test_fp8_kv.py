@@ -380,6 +380,25 @@ def test_chunked_prefill_and_prefix_hits_see_the_stored_values(qwen3_dir):
     assert _max_difference(runs[100], runs[16384]) <= 1e-3
 
 
+def test_sliding_window_fp8_over_both_tiers_and_in_chunks_gives_gpu_only_tokens(mistral_dir):
+    """Mistral's window (300 tokens, its edge inside a block) with fp8 KV: the host tier holding most
+    window blocks, and chunks of 128, give the GPU-only fp8 engine's tokens (logits to 1e-3, as in
+    test_tiers.py)."""
+    prompts = [random_prompt(n, seed=500 + n) for n in (100, 700, 900)]
+    runs = {}
+    for name, opts in (("gpu", dict(num_kvcache_blocks=16)), ("chunks", dict(num_kvcache_blocks=16,
+                                                                              max_num_batched_tokens=128)),
+                       ("host", dict(num_kvcache_blocks=2, enable_cpu_offload=True, num_cpu_kvcache_blocks=16,
+                                     num_ring_slots=2))):
+        with build_llm(mistral_dir, max_model_len=1024, kv_cache_dtype="fp8", **opts) as llm:
+            runs[name] = generate_with_logits(llm, prompts, 32)
+            if name == "host":
+                assert llm.get_kv_cache_stats()["spilled_blocks"] > 0
+    for name in ("chunks", "host"):
+        assert runs[name][0] == runs["gpu"][0], name
+        assert _max_difference(runs[name], runs["gpu"]) <= 1e-3, name
+
+
 # ---- SmolLM2: fp8 e4m3 KV against float32 KV ------------------------------------------------
 
 def _top1(llm, prompt_ids: list[int]) -> list[int]:

@@ -136,12 +136,14 @@ def test_repeated_prompt_hits_blocks_spilled_to_the_host(qwen3_dir, kv):
         assert ref.generate(prompt, greedy(20), use_tqdm=False)[0]["token_ids"] == first["token_ids"]
 
 
-def test_xattn_at_threshold_1_equals_full_across_tiers(qwen3_dir, prompts, references):
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_xattn_at_threshold_1_equals_full_across_tiers(qwen3_dir, prompts, references, kv):
     """XATTN_BSA at threshold 1.0 keeps every block: FULL's tokens and logits (QUEST reading every
-    block: the test below)."""
+    block: the test below). Chunks of 1,024 tokens, so that later chunks estimate over (and attend
+    to) their prefix from both tiers, with fp8 KV dequantized."""
     with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=8, **HOST, sparse_policy="XATTN_BSA",
-                   sparse_threshold=1.0) as llm:
-        _assert_equal(generate_with_logits(llm, prompts, DECODE), references["qwen3"])
+                   sparse_threshold=1.0, kv_cache_dtype=kv, max_num_batched_tokens=1024) as llm:
+        _assert_equal(generate_with_logits(llm, prompts, DECODE), references["qwen3", kv], kv)
         assert llm.get_kv_cache_stats()["spilled_blocks"] > 0
 
 
