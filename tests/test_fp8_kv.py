@@ -380,6 +380,20 @@ def test_chunked_prefill_and_prefix_hits_see_the_stored_values(qwen3_dir):
     assert _max_difference(runs[100], runs[16384]) <= 1e-3
 
 
+def test_xattn_estimates_over_the_dequantized_gpu_tier_prefix(qwen3_dir):
+    """XATTN_BSA at threshold 1.0 keeps every block, so in chunks of 256 on the GPU tier (its
+    estimate and attention over the fp8 prefix gathered from the cache) it gives FULL's tokens."""
+    prompts = [random_prompt(n, seed=600 + n) for n in (700, 1000)]
+    runs = {}
+    for policy in ("FULL", "XATTN_BSA"):
+        extra = dict(sparse_threshold=1.0) if policy == "XATTN_BSA" else {}
+        with build_llm(qwen3_dir, kv_cache_dtype="fp8", max_num_batched_tokens=256, sparse_policy=policy,
+                       **extra) as llm:
+            runs[policy] = generate_with_logits(llm, prompts, 8)
+    assert runs["XATTN_BSA"][0] == runs["FULL"][0]
+    assert _max_difference(runs["XATTN_BSA"], runs["FULL"]) <= 1e-3
+
+
 def test_sliding_window_fp8_over_both_tiers_and_in_chunks_gives_gpu_only_tokens(mistral_dir):
     """Mistral's window (300 tokens, its edge inside a block) with fp8 KV: the host tier holding most
     window blocks, and chunks of 128, give the GPU-only fp8 engine's tokens (logits to 1e-3, as in

@@ -252,7 +252,7 @@ class TieredAttention:
             rows, start = slice(start, start + len_q), start + len_q
             if not len_q:
                 continue
-            k_ctx, v_ctx = self._context(i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes, window)
+            k_ctx, v_ctx = self._context(layer, i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes, window)
             mask = self.policy.prefill_mask(q[rows], k_ctx)
             if window is None:
                 visible = heads * causal_visible_blocks(len_q, len_k, block_size)
@@ -278,11 +278,11 @@ class TieredAttention:
                                                    window=window)[0]
         return out
 
-    def _context(self, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
+    def _context(self, layer, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
         """Keys and values of sequence i's context ``[len_k - first, Hkv, D]`` from ``first``: 0,
         or with a window the first token of the block it shows the chunk's first query (a block
-        boundary): its prefix (from ``prefixes``, their last rows, or the GPU tier), then this
-        chunk's rows."""
+        boundary): its prefix (from ``prefixes``, their last rows, or ``layer``'s GPU tier, an fp8
+        cache's dequantized), then this chunk's rows."""
         num_prefix = len_k - (rows.stop - rows.start)
         if not num_prefix:
             return k[rows], v[rows]
