@@ -15,6 +15,7 @@ KV writes are left out (a few percent here), so the bound is slightly optimistic
     python bench.py --data-parallel-size 2                             # spawns replica 1 on GPU 1
     python bench.py --logprobs 5         # every request also returns the top-5 logprobs per token
     python bench.py --no-async-scheduling   # the synchronous loop (default: async scheduling, where supported)
+    python bench.py --kv-cache-dtype fp8    # fp8 e4m3 KV (the roofline counts its bytes and scales)
     torchrun --nproc-per-node 2 bench.py --tensor-parallel-size 2      # one process per GPU
     torchrun --standalone --nproc-per-node 2 bench.py --data-parallel-size 2   # 2 replicas, 1 GPU each
     torchrun --standalone --nproc-per-node 4 bench.py --data-parallel-size 2 --tensor-parallel-size 2
@@ -29,6 +30,8 @@ import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
+from nanovllm.kvcache.spec import LayerKVSpec
+from nanovllm.utils.dtypes import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from nanovllm.parallel.launch import resolve_launch
 from tools.random_checkpoint import cached_random_checkpoint
 
@@ -41,16 +44,19 @@ def workload(num_seqs: int, max_input: int, max_output: int, logprobs: int | Non
     return prompts, params
 
 
-def checkpoint_bytes(model: str) -> tuple[int, int]:
+def checkpoint_bytes(model: str, kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """``(weight bytes, KV bytes per token)`` of a HF checkpoint directory: the safetensors files'
-    sizes, and keys + values of every layer in the checkpoint's dtype."""
+    sizes, and keys + values of every layer as the cache stores them (``kv_cache_dtype``: the
+    checkpoint's dtype, or fp8 with its scales: ``LayerKVSpec.token_bytes``)."""
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     weights = sum(os.path.getsize(os.path.join(model, name)) for name in os.listdir(model)
                   if name.endswith(".safetensors"))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = torch.empty(0, dtype=getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")).element_size()
-    return weights, 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+    dtype = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    spec = LayerKVSpec(cfg["num_key_value_heads"], head_dim, dtype,
+                       cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype))
+    return weights, cfg["num_hidden_layers"] * spec.token_bytes
 
 
 def decode_bytes(prompts: list[list[int]], params: list[SamplingParams], weight_bytes: int,
@@ -70,7 +76,7 @@ def roofline(args, prompts, params, result: dict) -> dict:
     if hbm != hbm:  # NaN: no CUDA
         return {}
     devices = args.tensor_parallel_size * args.data_parallel_size
-    seconds = decode_bytes(prompts, params, *checkpoint_bytes(args.model)) / (hbm * 1e9 * devices)
+    seconds = decode_bytes(prompts, params, *checkpoint_bytes(args.model, args.kv_cache_dtype)) / (hbm * 1e9 * devices)
     bound = result["output_tokens"] / seconds
     return {"hbm_gb_per_s": hbm, "roofline_tok_per_s": round(bound, 1),
             "fraction_of_roofline": round(result["tok_per_s"] / bound, 3)}
@@ -79,7 +85,8 @@ def roofline(args, prompts, params, result: dict) -> dict:
 def bench_nanovllm(args, prompts, params) -> dict:
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              device=args.device, async_scheduling=args.async_scheduling, enable_cpu_offload=args.enable_cpu_offload)
+              device=args.device, async_scheduling=args.async_scheduling, enable_cpu_offload=args.enable_cpu_offload,
+              kv_cache_dtype=args.kv_cache_dtype)
     llm.generate(["Benchmark: "] * args.data_parallel_size, SamplingParams(), use_tqdm=False)  # every replica
     sync(llm.config.device)
     t = time.perf_counter()
@@ -88,11 +95,13 @@ def bench_nanovllm(args, prompts, params) -> dict:
     seconds = time.perf_counter() - t
     tokens = sum(p.max_tokens for p in params)
     device, async_scheduling = llm.config.device, llm.config.async_scheduling
+    gpu_tokens = llm.get_kv_cache_stats()["gpu_tokens"]
     llm.shutdown()
     return {"engine": "nanovllm", "sequences": len(prompts), "output_tokens": tokens,
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "device": device,
             "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
-            "logprobs": args.logprobs, "async_scheduling": async_scheduling}
+            "logprobs": args.logprobs, "async_scheduling": async_scheduling, "kv_cache_dtype": args.kv_cache_dtype,
+            "gpu_tier_tokens": gpu_tokens}
 
 
 def bench_hf(args, prompts, params) -> dict:
@@ -135,6 +144,8 @@ def main():
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas sharing the prompts (each of --tensor-parallel-size ranks)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="what the KV cache stores (LLM's kv_cache_dtype)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="force async scheduling on or off (default: the engine's choice, on where "
                              "supported: CUDA, TP=1)")

@@ -12,6 +12,7 @@ r"""Long sequences with the host tier of the KV cache and without (GPU-only); pr
         --sparse-token-budget 2048                         # QUEST with and without reuse vs FULL
     python bench_offload.py --input-len 130000 --num-kvcache-blocks 2 --modes tiered-full,tiered \
         --sparse-policy STREAMING --sparse-recent-tokens 4096   # sinks and a recent window only
+    python bench_offload.py --input-len 130000 --num-kvcache-blocks 2 --kv-cache-dtype fp8  # fp8 KV, both tiers
 
 Default model: a random-weight checkpoint of ``--shape`` (a key of ``tools.random_checkpoint.SHAPES``:
 Llama-3.1-8B by default; Llama-3-8B with a 1,048,576-token context and Gradient AI's rope_theta;
@@ -55,6 +56,7 @@ import torch
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
 from nanovllm.sparse import policy_class, policy_names
+from nanovllm.utils.dtypes import KV_CACHE_DTYPES
 from tools.random_checkpoint import SHAPES, cached_random_checkpoint
 
 def sync():
@@ -72,7 +74,8 @@ def _engine_kwargs(args, mode: str) -> dict:
     policy = "FULL" if mode == "tiered-full" else args.sparse_policy
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
                   max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
-                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy)
+                  max_num_batched_tokens=args.max_num_batched_tokens, sparse_policy=policy,
+                  kv_cache_dtype=args.kv_cache_dtype)
     if policy == args.sparse_policy:  # the FULL baseline takes none of the policy's options
         kwargs.update({name: getattr(args, name) for name in SPARSE_OPTIONS if getattr(args, name) is not None})
     if args.num_kvcache_blocks is not None:
@@ -199,6 +202,8 @@ def _measure(llm, args, bw: dict) -> dict:
               "preemptions": after["preemptions"] - before["preemptions"],
               "max_decode_step_ms": round(max(step_times) * 1e3, 3) if step_times else None,
               "host_bytes_pinned": after["host_bytes_pinned"], **_pin_waits(llm),
+              "kv_cache_dtype": after["kv_cache_dtype"], "gpu_tier_tokens": after["gpu_tokens"],
+              "host_tier_tokens": after["host_tokens"],
               "tokens": [s.completion_token_ids for s in sorted(finished, key=lambda s: s.seq_id)]}
     if torch.cuda.is_available():
         bound = _decode_bound(llm, at_decode, host_bytes_per_step, bw, args.num_seqs)
@@ -240,6 +245,8 @@ def main():
                              "picked page and KV head)")
     parser.add_argument("--modes", default="gpu,tiered", help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="what both KV tiers store (LLM's kv_cache_dtype; the JSON's args say it)")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     modes = args.modes.split(",")

@@ -12,13 +12,11 @@ from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 from nanovllm.sparse import choosing_policy_names, policy_class, registered_policies
 from nanovllm.utils.checks import check_bool, check_range, is_integer
+from nanovllm.utils.dtypes import resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "half": torch.float16}
-"""``dtype`` names, vLLM's aliases ("float", "half") included."""
 BLOCK_SIZE_MULTIPLE = 256
 
 
@@ -30,21 +28,6 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
     return device
-
-
-def _resolve_dtype(dtype, hf_config: PretrainedConfig, device: str) -> torch.dtype:
-    if dtype is None or dtype == "auto":  # "auto": vLLM's name for the default
-        if device == "cpu":
-            return torch.float32
-        model_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(model_dtype, str):
-            model_dtype = _DTYPES.get(model_dtype, torch.bfloat16)
-        return model_dtype if model_dtype in _DTYPES.values() else torch.bfloat16
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, 'auto' or None, got {dtype!r}")
 
 
 _DEPRECATED_NAMES = ("num_gpu_blocks", "sparse_topk_blocks")
@@ -159,6 +142,10 @@ class Config:
             ``nanovllm.kvcache.sizing``).
         dtype: "float32" | "float16" | "bfloat16" | torch dtype | None or "auto" (the model's on
             GPU, float32 on CPU).
+        kv_cache_dtype: what the KV cache stores (vLLM's names): "auto" (the model's ``dtype``),
+            "fp8" (= "fp8_e4m3", torch.float8_e4m3fn) or "fp8_e5m2" (torch.float8_e5m2), with
+            float32 scales per (token, KV head) for keys and values (``docs/kvcache.md``, "FP8
+            KV"); ``kv_storage_dtype`` is the resolved torch dtype.
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator; None (vLLM's default): 0.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
@@ -229,6 +216,7 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     dtype: object = None
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int | None = 0
     enable_cpu_offload: bool = False
@@ -250,6 +238,7 @@ class Config:
     sparse_block_size: int = 128
     sparse_chunk_size: int = 16384
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    kv_storage_dtype: torch.dtype = field(init=False, repr=False)
     launch: Launch = field(init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -285,7 +274,8 @@ class Config:
         self._check_offload()
         self.device = _resolve_device(self.device)
         self.hf_config = load_hf_config(self.model)
-        self.dtype = _resolve_dtype(self.dtype, self.hf_config, self.device)
+        self.dtype = resolve_model_dtype(self.dtype, self.hf_config, self.device)
+        self.kv_storage_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if self.max_model_len is None:
             self.max_model_len = self.hf_config.max_position_embeddings
         if self.max_model_len > self.hf_config.max_position_embeddings:

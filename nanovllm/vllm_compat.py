@@ -4,8 +4,9 @@ what a value asking for behaviour this engine lacks is refused with. Also :class
 the read-only view of the engine's model settings that vLLM scripts and lm-eval read as
 ``llm.llm_engine.model_config``.
 
-A name listed here and also a Config field (e.g. ``kv_cache_dtype`` once the engine has it) is
-the Config field's: :func:`check_vllm_args` leaves Config fields alone.
+A vLLM argument that is a Config field (``kv_cache_dtype``, ``max_model_len``, ...) is not listed
+here; were one listed too, the Config field's check would decide: :func:`check_vllm_args` leaves
+Config fields alone.
 """
 from dataclasses import dataclass
 from numbers import Real
@@ -147,7 +148,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "worker_extension_cls": _arg(_empty, "''", "the workers run nanovllm's ModelRunner"),
     # ---- KV cache and memory
     "block_size": _arg(_empty, _NONE, "the KV block is kvcache_block_size (tokens, a multiple of 256)"),
-    "kv_cache_dtype": _arg(_one_of("auto"), "'auto'", "the KV cache has the model's dtype"),
     "kv_cache_memory_bytes": _arg(_empty, _NONE,
                                   "the GPU tier is sized by gpu_memory_utilization or num_kvcache_blocks"),
     "num_gpu_blocks_override": _arg(_empty, _NONE, "the GPU tier's size is num_kvcache_blocks (blocks of "

@@ -110,7 +110,7 @@ def test_metadata_follows_a_block_from_the_gpu_tier_to_the_host_tier():
     policy = _policy()
     policy.allocate(2, 64, 2, 8, torch.float32, torch.device("cpu"), 3, 4)
     k_cache = torch.randn(2, 3, 64, 2, 8)
-    policy.on_pages_full(k_cache, torch.tensor([1]))
+    policy.on_pages_full(k_cache[:, [1]], torch.tensor([1]))
     pages = k_cache[:, 1].view(2, 4, 16, 2, 8)
     assert torch.equal(policy.kmin[:, 1], pages.amin(2)) and torch.equal(policy.kmax[:, 1], pages.amax(2))
     policy.on_spill(torch.tensor([1]), torch.tensor([2]))

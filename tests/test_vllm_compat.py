@@ -41,7 +41,7 @@ VLLM_DEFAULTS = dict(
     eplb_config=None, enable_eplb=False, expert_placement_strategy="linear", num_redundant_experts=0,
     eplb_window_size=1000, eplb_step_interval=3000, eplb_log_balancedness=False, max_parallel_loading_workers=None,
     disable_custom_all_reduce=False, ray_workers_use_nsight=False, worker_cls="auto", worker_extension_cls="",
-    block_size=None, kv_cache_dtype="auto", kv_cache_memory_bytes=None, num_gpu_blocks_override=None, swap_space=4,
+    block_size=None, kv_cache_memory_bytes=None, num_gpu_blocks_override=None, swap_space=4,
     cpu_offload_gb=0, prefix_caching_hash_algo="sha256", calculate_kv_scales=False, mamba_cache_dtype="auto",
     mamba_ssm_cache_dtype="auto", mamba_block_size=None, kv_sharing_fast_prefill=False, kv_transfer_config=None,
     kv_events_config=None, enable_chunked_prefill=None, max_num_partial_prefills=1, max_long_partial_prefills=1,
@@ -83,10 +83,11 @@ def test_every_vllm_default_is_accepted():
 
 def test_vllm_defaults_of_config_fields_mean_the_engines(qwen3_dir):
     with build_llm(qwen3_dir, max_model_len=None, max_num_seqs=None, max_num_batched_tokens=None, seed=None,
-                   enable_prefix_caching=None, **VLLM_DEFAULTS) as llm:
+                   enable_prefix_caching=None, kv_cache_dtype="auto", **VLLM_DEFAULTS) as llm:
         config = llm.config
         assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.seed,
                 config.enable_prefix_caching) == (4096, 512, 16384, 0, True)  # None max_model_len: the model's
+        assert config.kv_storage_dtype == config.dtype, "vLLM's kv_cache_dtype='auto': the model's dtype"
         assert llm.llm_engine.model_config.max_model_len == 4096
         _serves(llm)
 
@@ -95,7 +96,6 @@ def test_vllm_defaults_of_config_fields_mean_the_engines(qwen3_dir):
     ("quantization", "awq", "quantized weights are not supported"),
     ("enable_lora", True, "no LoRA adapters"),
     ("pipeline_parallel_size", 2, "tensor_parallel_size and data_parallel_size"),
-    ("kv_cache_dtype", "fp8", "the model's dtype"),
     ("enable_chunked_prefill", False, "chunked prefill is always on"),
     ("cpu_offload_gb", 4, "enable_cpu_offload=True"),
     ("distributed_executor_backend", "ray", "Ray is not supported"),
@@ -103,8 +103,6 @@ def test_vllm_defaults_of_config_fields_mean_the_engines(qwen3_dir):
     ("speculative_config", {"method": "ngram"}, "no speculative decoding"),
 ])
 def test_vllm_values_asking_for_missing_behaviour_are_refused(name, value, shown):
-    if name == "kv_cache_dtype" and name in {f.name for f in dataclasses.fields(__import__("nanovllm").config.Config)}:
-        pytest.skip("kv_cache_dtype is an engine option")
     with pytest.raises(ValueError, match=rf"^{name}={value!r:.20}.*{shown}.*\(accepted values: "):
         check_engine_args({name: value})
 

@@ -10,11 +10,11 @@ class EngineStats:
     ``LLMEngine``, whose ``scheduler``, ``model_runner``, ``config`` and ``_replicas`` it reads."""
 
     def get_kv_cache_stats(self) -> dict:
-        """The KV cache's tiers as plain ints::
+        """The KV cache's tiers as plain ints (``kv_cache_dtype`` a str)::
 
             {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used", "spilled_blocks",
              "evicted_blocks", "released_blocks", "loaded_blocks", "host_bytes_pinned", "prefix_cache_hit_tokens",
-             "preemptions"}
+             "preemptions", "kv_cache_dtype", "saturated_values", "gpu_tokens", "host_tokens"}
 
         ``*_used``: blocks held by live sequences (free blocks holding a cached prefix are not).
         Since the engine started: ``spilled_blocks`` live blocks moved to the host tier,
@@ -24,6 +24,10 @@ class EngineStats:
         ``prefix_cache_hit_tokens`` prompt tokens found in the prefix cache (either tier),
         ``preemptions`` sequences preempted because both tiers were full. ``host_bytes_pinned``:
         host memory page-locked now (it grows toward the host tier's capacity as blocks are used).
+        ``kv_cache_dtype``: the option (``"auto"``, ``"fp8"``, ...); ``saturated_values``: key and
+        value elements clamped to the fp8 range when stored (only a checkpoint's static scales
+        clamp: 0 with the dynamic per-(token, KV head) scales); ``gpu_tokens``, ``host_tokens``: the
+        tokens each tier holds (fp8 holds about twice the model dtype's in the same memory).
         Blocks are ``kvcache_block_size`` tokens. With ``tensor_parallel_size > 1``,
         ``loaded_blocks`` and ``host_bytes_pinned`` are rank 0's; with ``data_parallel_size > 1``
         every value is summed over the replicas (under torchrun every rank must call this).

@@ -40,6 +40,7 @@ from nanovllm.kvcache.context import reset_context, set_context
 from nanovllm.kvcache.spec import uniform_storage
 from nanovllm.kvcache.step_inputs import StepInputs
 from nanovllm.kvcache.window import widest_window, window_start
+from nanovllm.ops.kv_quant import SCALE_DTYPE, dequantize
 from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,10 @@ class KVCache:
     def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None):
         self.config, self.device = config, device
         layer = layers[0]
-        self.specs = [module.kv_spec(config.dtype) for module in layers]
-        storage = uniform_storage(self.specs)
+        self.specs = [module.kv_spec(config.dtype, config.kv_storage_dtype) for module in layers]
+        self.storage = storage = uniform_storage(self.specs)
         self.geometry = KVGeometry(len(layers), storage.num_kv_heads, storage.head_dim, config.kvcache_block_size,
-                                   storage.dtype)
+                                   storage.cache_dtype, storage.token_bytes)
         self.tiered = config.enable_cpu_offload
         self.windows = [spec.sliding_window for spec in self.specs]
         self.release_window = widest_window(self.windows)
@@ -72,10 +73,11 @@ class KVCache:
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
         self.stats = SparseStats()
-        self.attention = TieredAttention(self.policy, self.stats, layer.scale, self.windows)
+        self.attention = TieredAttention(self.policy, self.stats, layer.scale, self.specs)
         for i, module in enumerate(layers):
             module.layer_id, module.kv_cache = i, self
         self.kv: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an fp8 cache's [2, L, layer_rows, block_size, Hkv]
         self.layout: TierRows | None = None
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
@@ -88,7 +90,8 @@ class KVCache:
     # ---- memory ------------------------------------------------------------------------
     def metadata_bytes_per_block(self) -> int:
         g = self.geometry
-        return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
+        return self.policy.metadata_bytes_per_block(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim,
+                                                    self.storage.dtype)
 
     def host_blocks(self, ranks_on_host: int) -> int:
         """Host-tier blocks of this rank (``sizing.host_blocks``); 0 without the host tier."""
@@ -118,6 +121,8 @@ class KVCache:
         shape = (2, self.layout.total, g.block_size, g.num_kv_heads, g.head_dim)
         try:  # on CPU untouched pages cost nothing: every slot is written before it is read
             rows = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
+            scale_rows = (torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+                          if self.storage.scaled else None)
         except RuntimeError as err:
             parts = f"num_kvcache_blocks={sizes.gpu_blocks}"
             if self.reuse_rows or self.staging_rows:
@@ -128,13 +133,14 @@ class KVCache:
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
-                                 sizes.host_blocks, self.config.num_ring_slots)
+                                 sizes.host_blocks, self.config.num_ring_slots, scaled=self.storage.scaled)
         self.kv = self.layout.per_layer(rows)
+        self.kv_scales = None if scale_rows is None else self.layout.per_layer(scale_rows)
         self.num_gpu_blocks = sizes.gpu_blocks
         reuse = ReuseCache(g.num_layers, g.num_kv_heads, self.reuse_rows, sizes.gpu_blocks, self.layout.layer_rows,
                            g.block_size // self.policy.page_size, self.device) if self.reuse_rows else None
-        self.attention.bind(rows, self.layout, self.host, reuse)
-        self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
+        self.attention.bind(rows, self.layout, self.host, reuse, scale_rows)
+        self.policy.allocate(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, self.storage.dtype, self.device,
                              sizes.gpu_blocks, sizes.host_blocks)
         self._log(sizes)
 
@@ -145,9 +151,11 @@ class KVCache:
             f" (host capacity {self.host.memory.capacity_bytes / 2**30:.2f} GiB, pinned now "
             f"{self.host.memory.bytes_pinned / 2**30:.2f} GiB, then on demand in chunks of "
             f"{self.host.memory.chunk_blocks} blocks)")
-        logger.info("KV cache: %s%s; %d-token blocks of %d layers in %s%s", ", ".join(
-            f"{name} tier {n} blocks = {n * g.block_size} tokens ({n * g.block_bytes / 2**30:.2f} GiB)"
-            for name, n in tiers), pinned, g.block_size, g.num_layers, g.dtype,
+        logger.info("KV cache: %s%s; %d-token blocks of %d layers, kv_cache_dtype=%r (%s, %d bytes per token and "
+                    "layer%s)%s", ", ".join(f"{name} tier {n} blocks = {n * g.block_size} tokens "
+                                            f"({n * g.block_bytes / 2**30:.2f} GiB)" for name, n in tiers),
+                    pinned, g.block_size, g.num_layers, self.config.kv_cache_dtype, g.dtype, g.token_bytes,
+                    ", scales per (token, KV head) included" if self.storage.scaled else "",
             f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
             f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
@@ -181,7 +189,7 @@ class KVCache:
         rewritten."""
         if not moves:
             return
-        self.host.move(moves, self.kv[0], self.kv[1])
+        self.host.move(moves, self.kv[0], self.kv[1], None if self.kv_scales is None else tuple(self.kv_scales))
         rewritten = [m.host for m in moves if m.to_host]
         if rewritten:
             self.attention.forget_host_blocks(to_device(rewritten, torch.int64, self.device))
@@ -228,7 +236,10 @@ class KVCache:
         """After the forward: the policy's metadata of the blocks whose pages the step filled."""
         reset_context()
         if self._completed:
-            self.policy.on_pages_full(self.kv[0], to_device(self._completed, torch.int64, self.device))
+            ids = to_device(self._completed, torch.int64, self.device)
+            keys = self.kv[0][:, ids]  # [L, n, block_size, Hkv, D]
+            scales = None if self.kv_scales is None else self.kv_scales[0][:, ids]
+            self.policy.on_pages_full(dequantize(keys, scales, self.storage.dtype), ids)
             self._completed = []
 
     def _note_filled(self, seq: Sequence, start: int, end: int):
@@ -272,8 +283,17 @@ class KVCache:
     def usage(self) -> dict:
         """``loaded_blocks``: host-to-GPU reads so far (ring loads, gathers, load-backs), in blocks
         of every layer (keys and values), pages gathered included (syncs with the device once);
-        ``host_bytes_pinned``: host-tier bytes pinned now. Plain ints, 0 without a host tier."""
+        ``host_bytes_pinned``: host-tier bytes pinned now; ``kv_cache_dtype``: the option's value
+        (a str); ``saturated_values``: key and value elements clamped to the fp8 range when stored
+        (only static checkpoint scales clamp: 0 with dynamic ones and without fp8; syncs);
+        ``gpu_tokens``, ``host_tokens``: the tokens each tier holds (blocks x block size). Plain ints
+        besides the dtype; 0 for the host tier's counts without a host tier."""
+        g, saturated = self.geometry, self.attention.saturated
+        stats = {"kv_cache_dtype": self.config.kv_cache_dtype,
+                 "saturated_values": 0 if saturated is None else int(saturated.item()),
+                 "gpu_tokens": self.num_gpu_blocks * g.block_size,
+                 "host_tokens": 0 if self.host is None else self.host.num_blocks * g.block_size}
         if not self.tiered:
-            return {"loaded_blocks": 0, "host_bytes_pinned": 0}
-        return {"loaded_blocks": self.host.loaded_bytes() // self.geometry.block_bytes,
-                "host_bytes_pinned": self.host.memory.bytes_pinned}
+            return {"loaded_blocks": 0, "host_bytes_pinned": 0, **stats}
+        return {"loaded_blocks": self.host.loaded_bytes() // g.block_bytes,
+                "host_bytes_pinned": self.host.memory.bytes_pinned, **stats}

@@ -11,6 +11,12 @@ Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
                                                         pinned chunk by chunk as blocks are used
     GPU   k_slots, v_slots [N, block_size, Hkv, D]      the ring (one layer of one block per slot)
 
+An fp8 tier (``scaled``) keeps each block's float32 scales beside it, ``k_host_scale``,
+``v_host_scale`` ``[L, Nh, block_size, Hkv]`` (allocated at once, pinned on CUDA: 4 bytes per
+(token, KV head), a few percent of the blocks), and the ring ``k_slot_scales``, ``v_slot_scales``
+``[N, block_size, Hkv]``; every copy below moves a block's scales with it, in the same stream
+order, so a block is never requantized whatever tier it lives in.
+
 Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops):
 
     compute (the model's current stream): record step_start -> wait moves_done -> forward ...
@@ -36,6 +42,7 @@ from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_memory import HostMemory
 from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 from nanovllm.ops import gather_host_pages
+from nanovllm.ops.kv_quant import SCALE_DTYPE
 
 
 class _NullStream:
@@ -52,8 +59,10 @@ class _NullEvent:
 
 class HostTier:
     """Args: num_layers, block_size, num_kv_heads, head_dim, dtype, device (the KV geometry of
-    this rank); num_blocks (host blocks, >= 1); num_slots (ring slots, >= 2); chunk_bytes (bytes
-    pinned at a time, ``host_memory.PIN_CHUNK_BYTES`` by default); on_demand (``HostMemory``'s).
+    this rank; ``dtype`` the stored elements'); num_blocks (host blocks, >= 1); num_slots (ring
+    slots, >= 2); chunk_bytes (bytes pinned at a time, ``host_memory.PIN_CHUNK_BYTES`` by default);
+    scaled (an fp8 tier: float32 scales per (token, KV head) beside keys and values); on_demand
+    (``HostMemory``'s).
 
     Raises:
         RuntimeError: host memory cannot be mapped or pinned (with the byte counts).
@@ -61,7 +70,7 @@ class HostTier:
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, num_slots: int, chunk_bytes: int | None = None,
-                 on_demand: bool | None = None):
+                 scaled: bool = False, on_demand: bool | None = None):
         self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
         self.num_slots, self.device, self.cuda = num_slots, device, device.type == "cuda"
         block_shape = (block_size, num_kv_heads, head_dim)
@@ -71,7 +80,18 @@ class HostTier:
         self.k_slots, self.v_slots = (torch.empty(num_slots, *block_shape, dtype=dtype, device=device)
                                       for _ in range(2))
         self.block_bytes = self.memory.block_bytes
-        """Bytes of one layer of one block, keys or values."""
+        """Bytes of one layer of one block, keys or values (without scales)."""
+        self.k_host_scale = self.v_host_scale = self.k_slot_scales = self.v_slot_scales = None
+        self.scale_block_bytes = 0
+        """Bytes of one layer of one block's scales, keys or values (0 unscaled)."""
+        if scaled:
+            scale_shape = (block_size, num_kv_heads)
+            self.k_host_scale, self.v_host_scale = (
+                torch.ones((num_layers, num_blocks, *scale_shape), dtype=SCALE_DTYPE, pin_memory=self.cuda)
+                for _ in range(2))
+            self.k_slot_scales, self.v_slot_scales = (torch.ones((num_slots, *scale_shape), dtype=SCALE_DTYPE,
+                                                                 device=device) for _ in range(2))
+            self.scale_block_bytes = block_size * num_kv_heads * SCALE_DTYPE.itemsize
         self.bytes_h2d = self.bytes_d2h = 0  # copies issued by the host
         self._gathered_bytes = 0  # pages gathered by kernels: a device count
         self._make_streams()
@@ -96,7 +116,8 @@ class HostTier:
         return torch.cuda.current_stream(self.device) if self.cuda else _NullStream()
 
     # ---- moves between the tiers -------------------------------------------------------
-    def move(self, moves: list[BlockMove], k_gpu: torch.Tensor, v_gpu: torch.Tensor):
+    def move(self, moves: list[BlockMove], k_gpu: torch.Tensor, v_gpu: torch.Tensor,
+             gpu_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Copy every layer of each move's block (``eviction.BlockMove``: GPU to host when
         ``to_host``, else host to GPU), in order, on the spill stream, after the compute stream's
         work so far; the compute stream then waits for the copies (this step rewrites GPU blocks
@@ -105,25 +126,31 @@ class HostTier:
 
         Args:
             k_gpu, v_gpu: the GPU tier, ``[L, num_gpu_blocks, block_size, Hkv, D]``.
+            gpu_scales: an fp8 tier's GPU-tier scales ``(k, v)``, ``[L, num_gpu_blocks,
+                block_size, Hkv]`` each, moved with their blocks (None unscaled).
         """
         self.memory.ensure(1 + max(m.host for m in moves))
         self.step_start.record(self._compute_stream())
         self.spill_stream.wait_event(self.step_start)
-        gpu_pitch, host_pitch = k_gpu.stride(0) * k_gpu.element_size(), self.k_host.stride(0) * self.k_host.element_size()
+        pairs = [(k_gpu, self.k_host), (v_gpu, self.v_host)]
+        if gpu_scales is not None:
+            pairs += [(gpu_scales[0], self.k_host_scale), (gpu_scales[1], self.v_host_scale)]
         stream = self.spill_stream if self.cuda else None
         for move in moves:
-            for gpu, host in ((k_gpu, self.k_host), (v_gpu, self.v_host)):
+            for gpu, host in pairs:
+                gpu_pitch, host_pitch = gpu.stride(0) * gpu.element_size(), host.stride(0) * host.element_size()
+                width = host[0, 0].numel() * host.element_size()
                 if move.to_host:
-                    memcpy_2d_async(host[0, move.host], gpu[0, move.gpu], host_pitch, gpu_pitch, self.block_bytes,
+                    memcpy_2d_async(host[0, move.host], gpu[0, move.gpu], host_pitch, gpu_pitch, width,
                                     self.num_layers, "d2h" if self.cuda else "h2h", stream)
                 else:
-                    memcpy_2d_async(gpu[0, move.gpu], host[0, move.host], gpu_pitch, host_pitch, self.block_bytes,
+                    memcpy_2d_async(gpu[0, move.gpu], host[0, move.host], gpu_pitch, host_pitch, width,
                                     self.num_layers, "h2d" if self.cuda else "h2h", stream)
         self.spill_done.record(self.spill_stream)
         self._compute_stream().wait_event(self.spill_done)
         to_host = sum(m.to_host for m in moves)
-        self.bytes_d2h += 2 * to_host * self.num_layers * self.block_bytes
-        self.bytes_h2d += 2 * (len(moves) - to_host) * self.num_layers * self.block_bytes
+        self.bytes_d2h += to_host * self.num_layers * self.layer_block_bytes
+        self.bytes_h2d += (len(moves) - to_host) * self.num_layers * self.layer_block_bytes
 
     # ---- ring --------------------------------------------------------------------------
     def load(self, slot: int, layer: int, host_id: int, stream: int | None = None):
@@ -136,36 +163,54 @@ class HostTier:
         with self._stream_ctx(stream):
             self.k_slots[slot].copy_(self.k_host[layer, host_id], non_blocking=True)
             self.v_slots[slot].copy_(self.v_host[layer, host_id], non_blocking=True)
+            if self.k_host_scale is not None:
+                self.k_slot_scales[slot].copy_(self.k_host_scale[layer, host_id], non_blocking=True)
+                self.v_slot_scales[slot].copy_(self.v_host_scale[layer, host_id], non_blocking=True)
             self.slot_ready[slot].record(stream)
-        self.bytes_h2d += 2 * self.block_bytes
+        self.bytes_h2d += self.layer_block_bytes
 
     def wait(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Make the compute stream wait for ``slot``'s load; returns its keys and values
-        ``[block_size, Hkv, D]`` each."""
+        ``[block_size, Hkv, D]`` each (their scales: :meth:`slot_scales`)."""
         self._compute_stream().wait_event(self.slot_ready[slot])
         return self.k_slots[slot], self.v_slots[slot]
+
+    def slot_scales(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scales ``[block_size, Hkv]`` of ``slot``'s keys and values (None, None unscaled)."""
+        if self.k_slot_scales is None:
+            return None, None
+        return self.k_slot_scales[slot], self.v_slot_scales[slot]
 
     def release(self, slot: int):
         """``slot`` may be overwritten once the compute stream's work so far is done."""
         self.slot_free[slot].record(self._compute_stream())
 
     # ---- gathers -----------------------------------------------------------------------
-    def read_block(self, layer: int, host_id: int, k_out: torch.Tensor, v_out: torch.Tensor):
+    def read_block(self, layer: int, host_id: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                   scales_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Copy ``layer`` of host block ``host_id`` into ``k_out`` / ``v_out`` ``[block_size, Hkv,
-        D]`` on the compute stream."""
+        D]`` (an fp8 tier: its scales into ``scales_out`` ``[block_size, Hkv]`` each) on the
+        compute stream."""
         k_out.copy_(self.k_host[layer, host_id], non_blocking=True)
         v_out.copy_(self.v_host[layer, host_id], non_blocking=True)
-        self.bytes_h2d += 2 * self.block_bytes
+        if scales_out is not None:
+            scales_out[0].copy_(self.k_host_scale[layer, host_id], non_blocking=True)
+            scales_out[1].copy_(self.v_host_scale[layer, host_id], non_blocking=True)
+        self.bytes_h2d += self.layer_block_bytes
 
     def gather_pages(self, layer: int, src_pages: torch.Tensor, heads: torch.Tensor, k_pages: torch.Tensor,
-                     v_pages: torch.Tensor, dst_pages: torch.Tensor):
+                     v_pages: torch.Tensor, dst_pages: torch.Tensor,
+                     scale_pages: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Gather KV head ``heads[i]`` of ``layer``'s host page ``src_pages[i]`` (device ``[n]``, -1:
         skip) into the same head of page ``dst_pages[i]`` of ``k_pages`` / ``v_pages`` (``[pages,
-        page_size, Hkv, D]``) on the compute stream, the ids never read on the host
+        page_size, Hkv, D]``; an fp8 tier: with its scales, into ``scale_pages`` ``[pages,
+        page_size, Hkv]`` each) on the compute stream, the ids never read on the host
         (:func:`nanovllm.ops.gather_host_pages`); counts the bytes as a device tensor."""
         page = k_pages.shape[1]
         k_host, v_host = (cache[layer].view(-1, page, *cache.shape[3:]) for cache in (self.k_host, self.v_host))
-        gather_host_pages(k_host, v_host, src_pages, heads, k_pages, v_pages, dst_pages)
+        src_scales = None if scale_pages is None else tuple(
+            scale[layer].view(-1, page, scale.shape[3]) for scale in (self.k_host_scale, self.v_host_scale))
+        gather_host_pages(k_host, v_host, src_pages, heads, k_pages, v_pages, dst_pages, src_scales, scale_pages)
         self._gathered_bytes = self._gathered_bytes + (src_pages >= 0).sum() * self.page_head_bytes(page)
 
     def loaded_bytes(self) -> int:
@@ -173,13 +218,14 @@ class HostTier:
         return self.bytes_h2d + int(self._gathered_bytes)
 
     def page_head_bytes(self, page_size: int) -> int:
-        """Bytes of one KV head's keys and values of one page of ``page_size`` tokens of one layer."""
-        return 2 * self.block_bytes // self.block_size // self.k_host.shape[3] * page_size
+        """Bytes of one KV head's keys and values of one page of ``page_size`` tokens of one layer
+        (scales included)."""
+        return self.layer_block_bytes // self.block_size // self.k_host.shape[3] * page_size
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one layer of one block, keys and values."""
-        return 2 * self.block_bytes
+        """Bytes of one layer of one block, keys and values (scales included)."""
+        return 2 * (self.block_bytes + self.scale_block_bytes)
 
     def synchronize(self):
         """Block the host until every copy of this tier finished."""

@@ -24,23 +24,27 @@ GPU_HEADROOM = 256 << 20
 
 
 class KVGeometry(NamedTuple):
-    """One rank's KV shape: per layer and token, ``num_kv_heads x head_dim`` keys and values."""
+    """One rank's KV shape: per layer and token, ``num_kv_heads x head_dim`` keys and values of
+    ``dtype`` (the storage dtype), with ``token_bytes`` of the layer's spec per token (an fp8
+    cache's scales included: :attr:`~nanovllm.kvcache.spec.LayerKVSpec.token_bytes`)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    token_bytes: int
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of every layer, keys and values."""
+        """Bytes of one block of every layer, keys and values (and their scales)."""
         return self.num_layers * self.layer_block_bytes
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one layer of one block, keys and values (a ring slot, a staging row)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one layer of one block, keys and values and their scales (a ring slot, a
+        staging row)."""
+        return self.block_size * self.token_bytes
 
 
 class TierSizes(NamedTuple):

@@ -28,15 +28,23 @@
   rows (``ctx.windows``: tables from the window's first block, the tokens before the window masked
   by ``context_starts``, the ring loading only host blocks in the window and folding the first from
   its window start); a choosing policy reads the whole window. Layers without a window read as above.
+- **FP8 KV** (a spec's ``scale_layout`` "token_head"): the store quantizes each new token once, its
+  scales written beside it (``nanovllm.ops.kv_quant``); every read above passes the scales of the
+  rows it reads (GPU tier, ring slots, gathered prefixes and pages) and dequantizes in the kernel,
+  and a prefill chunk attends to its own tokens as stored (quantized and dequantized again), so
+  chunking, prefix hits and tier splits all see the same values.
 """
 import torch
 
 from nanovllm.kvcache.host_tier import HostTier
+from nanovllm.kvcache.spec import LayerKVSpec
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, prefill_attention,
                           store_kvcache)
+from nanovllm.ops.kv_quant import dequantize, quantize_ref
+from nanovllm.ops.store_kv import KVScales
 from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
@@ -69,9 +77,11 @@ class RingReader:
             self.tier.load(slot, layer, host_id, stream=0 if self.serial else slot)
             self.issued += 1
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[block_size, Hkv, D]`` of the next planned load, once it landed."""
-        return self.tier.wait(self.consumed % self.tier.num_slots)
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Keys and values ``[block_size, Hkv, D]`` of the next planned load, once it landed, and
+        their scales ``[block_size, Hkv]`` (None unscaled)."""
+        slot = self.consumed % self.tier.num_slots
+        return *self.tier.wait(slot), *self.tier.slot_scales(slot)
 
     def done(self):
         """The block from :meth:`next` was read: its slot takes the next load."""
@@ -82,25 +92,49 @@ class RingReader:
 
 class TieredAttention:
     """Args: policy (the sparse policy), stats (where densities are counted), scale (softmax),
-    windows (each layer's sliding window, None: full attention; default: no layer has one)."""
+    specs (each layer's :class:`LayerKVSpec`: its sliding window, its fp8 static scales; default:
+    no layer has a window, the cache stores the model's dtype)."""
 
-    def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float, windows: list[int | None] | None = None):
+    def __init__(self, policy: SparsePolicy, stats: SparseStats, scale: float, specs: list[LayerKVSpec] | None = None):
         self.policy, self.stats, self.scale = policy, stats, scale
-        self.windows = windows
+        self.specs = specs
+        self.windows = None if specs is None else [spec.sliding_window for spec in specs]
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = None
+        self.k_scales = self.v_scales = self.k_scale_rows = self.v_scale_rows = None
+        self.saturated: torch.Tensor | None = None
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
         self.reuse: ReuseCache | None = None
 
-    def bind(self, rows: torch.Tensor, layout: TierRows, host: HostTier | None, reuse: ReuseCache | None = None):
+    def bind(self, rows: torch.Tensor, layout: TierRows, host: HostTier | None, reuse: ReuseCache | None = None,
+             scale_rows: torch.Tensor | None = None):
         """The GPU tier as rows ``[2, layout.total, block_size, Hkv, D]`` (keys, values; see
-        ``tier_rows.py``), the host tier and the reuse cache."""
+        ``tier_rows.py``), the host tier, the reuse cache, and an fp8 tier's scales
+        ``scale_rows`` float32 ``[2, layout.total, block_size, Hkv]`` (rows as ``rows``)."""
         self.k_rows, self.v_rows, self.host, self.reuse = rows[0], rows[1], host, reuse
         self.k_cache, self.v_cache = layout.per_layer(rows)
         self.ring = RingReader(host) if host is not None else None
+        if scale_rows is not None:
+            self.k_scale_rows, self.v_scale_rows = scale_rows[0], scale_rows[1]
+            self.k_scales, self.v_scales = layout.per_layer(scale_rows)
+            self.saturated = torch.zeros(1, dtype=torch.int64, device=rows.device)
 
     def release(self):
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = self.host = self.ring = self.reuse = None
+        self.k_scales = self.v_scales = self.k_scale_rows = self.v_scale_rows = None
+
+    def scales(self, layer: int) -> dict:
+        """The keyword arguments ``k_scale``, ``v_scale`` of a read of ``layer``'s GPU tier (an
+        fp8 cache's scales ``[num_blocks, block_size, Hkv]``; empty for another cache)."""
+        return {} if self.k_scales is None else {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
+
+    def _store_scales(self, layer: int) -> KVScales | None:
+        """What the store of ``layer`` writes scales to: its scales, its spec's static scales
+        (None: dynamic) and the saturation counter; None for a cache that is not fp8."""
+        if self.k_scales is None:
+            return None
+        static = None if self.specs is None else self.specs[layer].static_scales
+        return KVScales(self.k_scales[layer], self.v_scales[layer], static, self.saturated)
 
     def forget_host_blocks(self, host_ids: torch.Tensor):
         """Host blocks ``host_ids`` (int64 ``[n]`` on the device) are being rewritten (spills): the
@@ -147,41 +181,65 @@ class TieredAttention:
                 q, k = rotate(q, k)
             return self._prefill(layer, q, k, v, ctx, None, None)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        if rotate is not None:
+        store_scales = self._store_scales(layer)
+        if rotate is not None and store_scales is None:  # RoPE's launch stores the model's dtype
             q, k = rotate(q, k, kv_store=KVStore(v, k_cache, v_cache, ctx.slot_mapping))
         else:
-            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+            if rotate is not None:
+                q, k = rotate(q, k)
+            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping, store_scales)
+            if store_scales is not None and ctx.is_prefill:
+                k, v = self._as_stored(k, v, store_scales)
         if ctx.is_prefill:
             return self._prefill(layer, q, k, v, ctx, k_cache, v_cache)
         if ctx.paged_only:
             if self.window(layer) is None:
-                return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+                return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                                        **self.scales(layer))
             tables, lens, starts = self._reads(layer, ctx)[:3]
-            return decode_attention(q, k_cache, v_cache, tables, lens, self.scale, context_starts=starts)
+            return decode_attention(q, k_cache, v_cache, tables, lens, self.scale, context_starts=starts,
+                                    **self.scales(layer))
         return self._tiered_decode(layer, q, ctx, k_cache, v_cache)
+
+    def _as_stored(self, k: torch.Tensor, v: torch.Tensor, scales: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[N, Hkv, D]`` as an fp8 cache holds them (quantized as the store
+        quantizes, :func:`~nanovllm.ops.kv_quant.quantize_ref`, then dequantized, in k's dtype): a
+        prefill chunk attends to its own tokens as every later read will, so the output does not
+        depend on how a prompt is chunked or what the prefix cache holds (a recomputed cached
+        token, never stored again, included)."""
+        static = scales.static or (None, None)
+        return tuple(dequantize(*quantize_ref(x, cache.dtype, s)[:2], x.dtype)
+                     for x, cache, s in ((k, self.k_cache, static[0]), (v, self.v_cache, static[1])))
 
     # ---- prefill -----------------------------------------------------------------------
     def _prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache) -> torch.Tensor:
-        prefixes = {i: self._gather_prefix(layer, g) for i, g in ctx.prefix_gathers.items()}
+        prefixes = {i: self._gather_prefix(layer, g, q.dtype) for i, g in ctx.prefix_gathers.items()}
         if prefixes:
             read = sum(len(g.host) for g in ctx.prefix_gathers.values()) * self.host.layer_block_bytes
             self.stats.add_comm(layer, True, read, read)
         if self.policy.dense_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
-                                     ctx.block_tables, prefixes, self.window(layer))
+                                     ctx.block_tables, prefixes, self.window(layer), **self.scales(layer))
         return self._sparse_prefill(layer, q, k, v, ctx, k_cache, v_cache, prefixes)
 
-    def _gather_prefix(self, layer: int, gather: PrefixGather) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_prefix(self, layer: int, gather: PrefixGather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefix's keys and values ``[num_tokens - start, Hkv, D]`` (its tokens from
-        ``gather.start`` on), from both tiers."""
+        ``gather.start`` on), from both tiers; an fp8 cache's gathered with their scales and
+        dequantized to ``dtype`` (the model's)."""
         block_size = self.k_cache.shape[2]
         shape = (-(-gather.num_tokens // block_size) - gather.start // block_size, *self.k_cache.shape[2:])
         out = [torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2)]
+        scales = None if self.k_scales is None else [self.k_scales.new_empty(shape[:-1]) for _ in range(2)]
         for buf, cache in zip(out, (self.k_cache, self.v_cache)):
             buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
+        for buf, cache in zip(scales or [], (self.k_scales, self.v_scales)):
+            buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
         for index, host_id in gather.host:
-            self.host.read_block(layer, host_id, out[0][index], out[1][index])
+            self.host.read_block(layer, host_id, out[0][index], out[1][index],
+                                 None if scales is None else (scales[0][index], scales[1][index]))
         n = gather.num_tokens - gather.start
+        if scales is not None:
+            out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales)]
         return out[0].flatten(0, 1)[:n], out[1].flatten(0, 1)[:n]
 
     def _sparse_prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache, prefixes) -> torch.Tensor:
@@ -194,7 +252,7 @@ class TieredAttention:
             rows, start = slice(start, start + len_q), start + len_q
             if not len_q:
                 continue
-            k_ctx, v_ctx = self._context(i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes, window)
+            k_ctx, v_ctx = self._context(layer, i, rows, len_k, k, v, k_cache, v_cache, ctx, prefixes, window)
             mask = self.policy.prefill_mask(q[rows], k_ctx)
             if window is None:
                 visible = heads * causal_visible_blocks(len_q, len_k, block_size)
@@ -220,11 +278,11 @@ class TieredAttention:
                                                    window=window)[0]
         return out
 
-    def _context(self, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
+    def _context(self, layer, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
         """Keys and values of sequence i's context ``[len_k - first, Hkv, D]`` from ``first``: 0,
         or with a window the first token of the block it shows the chunk's first query (a block
-        boundary): its prefix (from ``prefixes``, their last rows, or the GPU tier), then this
-        chunk's rows."""
+        boundary): its prefix (from ``prefixes``, their last rows, or ``layer``'s GPU tier, an fp8
+        cache's dequantized), then this chunk's rows."""
         num_prefix = len_k - (rows.stop - rows.start)
         if not num_prefix:
             return k[rows], v[rows]
@@ -233,8 +291,9 @@ class TieredAttention:
         if i in prefixes:
             k_pre, v_pre = (t[t.shape[0] - (num_prefix - first):] for t in prefixes[i])
         else:
-            k_pre = gather_tokens(k_cache, ctx.block_tables[i], first, num_prefix)
-            v_pre = gather_tokens(v_cache, ctx.block_tables[i], first, num_prefix)
+            scales = self.scales(layer)
+            k_pre = gather_tokens(k_cache, ctx.block_tables[i], first, num_prefix, scales.get("k_scale"), k.dtype)
+            v_pre = gather_tokens(v_cache, ctx.block_tables[i], first, num_prefix, scales.get("v_scale"), v.dtype)
         return torch.cat([k_pre.to(k.dtype), k[rows]]), torch.cat([v_pre.to(v.dtype), v[rows]])
 
     # ---- decode ------------------------------------------------------------------------
@@ -243,7 +302,7 @@ class TieredAttention:
             return self._selected_decode(layer, q, ctx)
         tables, lens, starts, loads, skips = self._reads(layer, ctx)
         out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True,
-                                    context_starts=starts)
+                                    context_starts=starts, **self.scales(layer))
         self._fold_ring(q, out, lse, loads, skips)
         read = len(loads) * self.host.layer_block_bytes
         self.stats.add_comm(layer, False, read, read)
@@ -258,7 +317,7 @@ class TieredAttention:
         num_picks = 0
         if layer < self.policy.dense_layers:
             out, lse = decode_attention(q, self.k_cache[layer], self.v_cache[layer], ctx.block_tables,
-                                        ctx.context_lens, self.scale, return_lse=True)
+                                        ctx.context_lens, self.scale, return_lse=True, **self.scales(layer))
         else:
             out, lse, num_picks = self._read_pages(layer, q, selection)
         loads = selection.ring_loads[layer]
@@ -274,17 +333,20 @@ class TieredAttention:
         picks = self.policy.select_decode_pages(layer, selection.queries(q), selection.candidates)
         page, heads, dim = self.policy.page_size, self.k_rows.shape[2], self.k_rows.shape[3]
         k_pages, v_pages = (rows.view(-1, page, heads, dim) for rows in (self.k_rows, self.v_rows))
+        scale_pages = None if self.k_scale_rows is None else tuple(
+            rows.view(-1, page, heads) for rows in (self.k_scale_rows, self.v_scale_rows))
+        scales = {} if scale_pages is None else {"k_scale": scale_pages[0], "v_scale": scale_pages[1]}
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         for group, (_, batch_rows) in enumerate(selection.groups):
             reads = selection.layer_reads(layer, picks, group, self.reuse)
             if self.host is not None:
-                self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst)
+                self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst, scale_pages)
                 self.stats.add_comm(layer, False, reads.misses * self.host.page_head_bytes(page), 0)
                 if self.reuse is not None:
                     self.stats.add_reuse(layer, reads.host_reads - reads.misses, reads.host_reads)
             group_out, group_lse = decode_attention(q[batch_rows], k_pages, v_pages, reads.tables, reads.lens,
-                                                    self.scale, return_lse=True)
+                                                    self.scale, return_lse=True, **scales)
             out.index_copy_(0, batch_rows, group_out)
             lse.index_copy_(0, batch_rows, group_lse)
         return out, lse, picks.shape[2]
@@ -293,7 +355,8 @@ class TieredAttention:
         """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``,
         from their token ``skips[i]`` on (a sliding window's first block; None: whole blocks)."""
         for i, (row, _) in enumerate(loads):
-            k_block, v_block = self.ring.next()
+            k_block, v_block, k_scale, v_scale = self.ring.next()
             skip = skips[i] if skips else 0
-            decode_attend_merge(q[row], k_block[skip:], v_block[skip:], out[row], lse[row], self.scale)
+            scales = (None, None) if k_scale is None else (k_scale[skip:], v_scale[skip:])
+            decode_attend_merge(q[row], k_block[skip:], v_block[skip:], out[row], lse[row], self.scale, *scales)
             self.ring.done()

@@ -1,4 +1,5 @@
 """Attention over the KV cache: a thin call into the cache the model runner binds."""
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,8 @@ class Attention(nn.Module):
     the current step's context says (``nanovllm.kvcache.context``). ``sliding_window`` (tokens,
     None: full causal attention): a query at position p attends to the keys at p - W + 1 .. p; the
     model sets it from its config before the cache is built, and it travels in :meth:`kv_spec`.
+    ``static_kv_scales`` (``(k_scale, v_scale)`` floats, None: dynamic): a checkpoint's per-layer
+    fp8 KV scales, set by the loader (``nanovllm.models.loader``), used when the cache is fp8.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
@@ -28,10 +31,13 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
         self.layer_id, self.kv_cache = -1, None
+        self.static_kv_scales: tuple[float, float] | None = None
 
-    def kv_spec(self, dtype: torch.dtype) -> LayerKVSpec:
-        """What this layer stores per token when the model runs in ``dtype``, and its window."""
-        return LayerKVSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
+    def kv_spec(self, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> LayerKVSpec:
+        """What this layer stores per token when the model runs in ``dtype`` and the cache stores
+        ``cache_dtype`` (None: ``dtype``), its window, and with an fp8 cache its static scales."""
+        spec = LayerKVSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window, cache_dtype)
+        return dataclasses.replace(spec, static_scales=self.static_kv_scales) if spec.scaled else spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: Rotate | None = None) -> torch.Tensor:
         """Attention of the new tokens; ``rotate`` (RoPE not yet applied to q and k) runs in the

@@ -15,10 +15,11 @@ import functools
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, interpreted, next_pow2,
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, interpreted, next_pow2,
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
-from .decode_cpu import check_context_lens, decode_cpu
+from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
+from .kv_quant import dequantize
 
 _BLOCK_G = MIN_DOT_ROWS
 """q heads per program: a GQA group (padded) or a 16-head slice of a larger one."""
@@ -36,39 +37,8 @@ _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
 """KV tokens per tile for head_dim <= 128 (half of it above); other tiles: docs/ops.md, 'Measured on the H200'."""
-_MAX_BATCH = 65535
-"""Largest decode batch: the batch is the grid's second dimension, which CUDA caps at 65535."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-
-
-def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts=None) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D]; got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"q head_dim={q.shape[2]} != cache head_dim={k_cache.shape[3]}")
-    check_gqa(q.shape[1], k_cache.shape[2])
-    check_head_dim(q.shape[2])
-    if q.shape[0] > _MAX_BATCH:
-        raise ValueError(f"decode batch of {q.shape[0]} sequences exceeds {_MAX_BATCH} (the CUDA grid's y limit)")
-    per_head = block_tables.dim() == 3
-    if block_tables.dim() not in (2, 3) or block_tables.shape[0] != q.shape[0] or (
-            per_head and block_tables.shape[1] != k_cache.shape[2]):
-        raise ValueError(f"block_tables must be [B={q.shape[0]}, max_blocks] or, per KV head, [B={q.shape[0]}, "
-                         f"Hkv={k_cache.shape[2]}, max_blocks]; got {tuple(block_tables.shape)}")
-    if context_lens.shape != (q.shape[0],):
-        raise ValueError(f"context_lens must be [B={q.shape[0]}]; got {tuple(context_lens.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need a contiguous last (head_dim) dimension")
-    if context_starts is not None and (context_starts.shape != (q.shape[0],) or context_starts.dtype not in (
-            torch.int32, torch.int64)):
-        raise ValueError(f"context_starts must be int32 or int64 [B={q.shape[0]}]; got {context_starts.dtype} "
-                         f"{tuple(context_starts.shape)}")
 
 
 def decode_attention_ref(
@@ -80,13 +50,15 @@ def decode_attention_ref(
     scale: float,
     return_lse: bool = False,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`decode_attention` (same arguments and result; one
     :func:`flash_attn_with_lse_ref` per sequence over its tokens ``context_starts[b] ..
-    context_lens[b] - 1``, in float32, float64 inputs in float64; reads the lengths and starts on
-    the host). Raises ValueError when a context length is outside 0..max_blocks * block_size or a
-    start outside 0..its length."""
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts)
+    context_lens[b] - 1``, in float32 (fp8 keys and values dequantized), float64 inputs in float64;
+    reads the lengths and starts on the host). Raises ValueError when a context length is outside
+    0..max_blocks * block_size or a start outside 0..its length."""
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts, k_scale, v_scale)
     dtype = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -106,8 +78,9 @@ def decode_attention_ref(
             slots = (blocks * block_size + pos % block_size)[blocks >= 0]  # a -1 table entry reads nothing
             if not slots.numel():
                 continue
-            keys = k_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
-            values = v_cache[:, :, kv_heads].flatten(0, 1)[slots][None]
+            keys, values = (dequantize(cache[:, :, kv_heads].flatten(0, 1)[slots],
+                                       None if sc is None else sc[:, :, kv_heads].flatten(0, 1)[slots], dtype)[None]
+                            for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
             out_b, lse_b = flash_attn_with_lse_ref(q[b, heads][None, None].to(dtype), keys, values, scale, False)
             out[b, heads], lse[b, heads] = out_b[0, 0], lse_b[0, :, 0]
     return (out, lse) if return_lse else out.to(q.dtype)
@@ -115,12 +88,13 @@ def decode_attention_ref(
 
 @triton.jit
 def _decode_tile(
-    q, k_ptr, v_ptr, block, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
-    stride_kb, stride_ks, stride_vb, stride_vs,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, k_ptr, v_ptr, ks_ptr, vs_ptr, block, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
+    stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
-    ``[BLOCK_N]``: each token's cache block."""
+    ``[BLOCK_N]``: each token's cache block. ``SCALED``: fp8 keys and values, dequantized in
+    registers by their per-token scales (``ks_ptr``, ``vs_ptr``: this KV head's)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
@@ -130,6 +104,10 @@ def _decode_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
                 mask=kv_mask, other=0.0)
+    if SCALED:
+        slots = block * stride_sb + offset * stride_ss
+        k = (k.to(tl.float32) * tl.load(ks_ptr + slots, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * tl.load(vs_ptr + slots, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -144,13 +122,14 @@ def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.c
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_th", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, starts_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, starts_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_tb, stride_th, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
@@ -158,7 +137,7 @@ def _decode_split_kernel(
     every KV head reads the sequence's one table, else the stride between the heads' tables.
     ``HAS_STARTS``: the split's tokens before the row's start (``starts_ptr``, a sliding window's
     first visible token) are skipped: its loop begins there, so blocks wholly before it are never
-    read."""
+    read. ``SCALED``: an fp8 cache with scales ``ks_ptr``, ``vs_ptr`` (strides ``stride_s*``)."""
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(0) // G_CHUNKS
     g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -178,6 +157,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
+    ks_head, vs_head = ks_ptr + kv_head * stride_sh, vs_ptr + kv_head * stride_sh
     table_row = table_ptr + b * stride_tb + kv_head * stride_th
     # Each tile's block ids are loaded during the tile before it, so a tile's K/V loads do not wait
     # for its ids. Triton's interpreter (numpy 2) cannot take tensor bounds in range(); compiled
@@ -188,17 +168,17 @@ def _decode_split_kernel(
         n0 = start
         while n0 < end:
             following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
-            m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
-                                         scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                         BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, ks_head, vs_head, block, n0, end, m_i, l_i, acc, d,
+                                         d_mask, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
+                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED)
             block = following
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
-            m_i, l_i, acc = _decode_tile(q, k_head, v_head, block, n0, end, m_i, l_i, acc, d, d_mask,
-                                         scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-                                         BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
+            m_i, l_i, acc = _decode_tile(q, k_head, v_head, ks_head, vs_head, block, n0, end, m_i, l_i, acc, d,
+                                         d_mask, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
+                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED)
             block = following
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = b * stride_pb + heads * stride_ph + split * stride_ps
@@ -257,7 +237,8 @@ def _split_plan(programs_per_split: int, max_tokens: int, block_n: int, device, 
     return max(1, cdiv(max_tokens, tokens_per_split)), tokens_per_split
 
 
-def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse, context_starts):
+def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse, context_starts,
+                   k_scale, v_scale):
     batch, heads_q, dim = q.shape
     block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
@@ -281,17 +262,20 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
         # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
         lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
+    scaled = k_scale is not None
+    k_scale, v_scale = (k_scale, v_scale) if scaled else (lens, lens)  # not read unscaled
     _decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
-        q, k_cache, v_cache, tables, lens, starts, o_part, lse_part,
+        q, k_cache, v_cache, k_scale, v_scale, tables, lens, starts, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *(k_scale.stride()[:3] if scaled else (0, 0, 0)), tables.stride(0),
         tables.stride(1) if tables.dim() == 3 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=final,
-        HAS_STARTS=context_starts is not None, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        HAS_STARTS=context_starts is not None, SCALED=scaled, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not final:
         _decode_reduce_kernel[(batch, heads_q)](
@@ -314,6 +298,8 @@ def decode_attention(
     num_splits: int | None = None,
     return_lse: bool = False,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each sequence's one new query over its paged cached context.
 
@@ -337,6 +323,9 @@ def decode_attention(
             None: from 0). A sliding window's caller passes a table that begins at the window's
             first block and the window's first token in it; tokens before a start are never read.
             A row with nothing to read gives out 0 and lse -inf.
+        k_scale, v_scale: float32 ``[num_blocks, block_size, Hkv]``, exactly when the caches are
+            fp8 (float8_e4m3fn / float8_e5m2): a key is read as ``k.to(float32) * k_scale`` at its
+            slot (``nanovllm.ops.kv_quant``), dequantized in registers; the two share strides.
 
     Returns:
         ``out [B, Hq, D]`` in q.dtype; with ``return_lse`` ``(out, lse)``: out float32 (the
@@ -347,7 +336,8 @@ def decode_attention(
     Raises:
         ValueError: inconsistent shapes, Hq not a multiple of Hkv, D outside 1..256, a
             non-contiguous cache head_dim, num_splits < 1, return_lse not a bool, context_starts
-            not an int32/int64 ``[B]``; the reference and the CPU path also reject context lengths
+            not an int32/int64 ``[B]``, scales missing for fp8 caches or given for others; the
+            reference and the CPU path also reject context lengths
             and starts out of range.
 
     CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
@@ -362,7 +352,7 @@ def decode_attention(
     range-checked; without Triton on another device:
     :func:`decode_attention_ref`.
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts, k_scale, v_scale)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     if return_lse not in (True, False):
@@ -370,7 +360,9 @@ def decode_attention(
     return_lse = bool(return_lse)
     if q.shape[0] and use_triton(q):
         return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, return_lse,
-                              context_starts)
+                              context_starts, k_scale, v_scale)
     if q.device.type == "cpu":
-        return decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts)
+        return decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts,
+                          k_scale, v_scale)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse, context_starts,
+                                k_scale, v_scale)

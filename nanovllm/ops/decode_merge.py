@@ -15,6 +15,7 @@ import torch
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2,
                       online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
+from .kv_quant import check_scales, dequantize
 
 _BLOCK_G = MIN_DOT_ROWS
 """q heads per program (a GQA group, padded)."""
@@ -33,7 +34,7 @@ _MAX_SPLITS = 32
 """... and at most this many parts."""
 
 
-def _check_args(q, k, v, out, lse) -> None:
+def _check_args(q, k, v, out, lse, k_scale=None, v_scale=None) -> None:
     if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape or q.shape[1] != k.shape[2]:
         raise ValueError(f"expected q [Hq, D] and k, v [Sk, Hkv, D] with one D; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -43,15 +44,20 @@ def _check_args(q, k, v, out, lse) -> None:
         raise ValueError(f"out must be float32 {tuple(q.shape)}; got {out.dtype} {tuple(out.shape)}")
     if lse.shape != (q.shape[0],) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 [{q.shape[0]}]; got {lse.dtype} {tuple(lse.shape)}")
+    check_scales(k, k_scale, "k_scale")
+    check_scales(v, v_scale, "v_scale")
 
 
 def decode_attend_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                            lse: torch.Tensor, softmax_scale: float) -> None:
-    """Reference of :func:`decode_attend_merge` (same arguments and effect): attention through
-    :func:`flash_attn_with_lse_ref`, then :func:`merge_attention_outputs_ref`."""
-    _check_args(q, k, v, out, lse)
+                            lse: torch.Tensor, softmax_scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> None:
+    """Reference of :func:`decode_attend_merge` (same arguments and effect): fp8 keys and values
+    dequantized to q's dtype, attention through :func:`flash_attn_with_lse_ref`, then
+    :func:`merge_attention_outputs_ref`."""
+    _check_args(q, k, v, out, lse, k_scale, v_scale)
     if k.shape[0] == 0:
         return
+    k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
     o_blk, lse_blk = flash_attn_with_lse_ref(q[None, None], k[None], v[None], softmax_scale, False)
     merged, merged_lse = merge_attention_outputs_ref(out[None, None], lse[None, :, None],
                                                      o_blk.float(), lse_blk)
@@ -60,14 +66,18 @@ def decode_attend_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
 
 @triton.jit
-def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2, stride_kn, stride_vn,
-          BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys)."""
+def _tile(q, k_head, v_head, ks_head, vs_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2, stride_kn,
+          stride_vn, stride_sn, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys); ``SCALED``:
+    fp8 keys and values dequantized in registers by their per-token scales (this KV head's)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+    if SCALED:
+        k = (k.to(tl.float32) * tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -75,10 +85,11 @@ def _tile(q, k_head, v_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2,
 
 @triton.jit(do_not_specialize=["num_keys", "keys_per_split"])
 def _decode_attend_merge_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, num_keys, keys_per_split, scale_log2,
-    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_oh, stride_ph, stride_ps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, num_keys, keys_per_split,
+    scale_log2, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh, stride_oh, stride_ph,
+    stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """Program (kv head, q-head chunk, part): online softmax over the part's keys; unsplit (one
     part) folded into ``(out, lse)`` here, split written to the part buffers for
@@ -94,19 +105,20 @@ def _decode_attend_merge_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    ks_head, vs_head = ks_ptr + kv_head * stride_sh, vs_ptr + kv_head * stride_sh
     start = part * keys_per_split
     end = tl.minimum(start + keys_per_split, num_keys)
     # The interpreter cannot take a tensor bound in range(); compiled kernels keep the for loop.
     if WHILE_LOOP:
         n0 = start
         while n0 < end:
-            m_i, l_i, acc = _tile(q, k_head, v_head, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                  stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
+            m_i, l_i, acc = _tile(q, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, d, d_mask,
+                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_head, v_head, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
-                                  stride_kn, stride_vn, BLOCK_N, DOT_PRECISION)
+            m_i, l_i, acc = _tile(q, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, d, d_mask,
+                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED)
     # every part has >= 1 key, so lse_blk is finite
     lse_blk = (m_i + tl.log2(l_i)) * 0.6931471805599453
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -159,7 +171,8 @@ def _split_plan(programs: int, num_keys: int, block_n: int) -> tuple[int, int]:
 
 
 def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, softmax_scale: float) -> None:
+                        lse: torch.Tensor, softmax_scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """Fold attention of one query over one chunk of keys into a running state, in place.
 
     After the call ``(out, lse)`` is the attention state over the keys seen before plus ``k``:
@@ -174,9 +187,13 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         out: float32 ``[Hq, D]``, the running normalised output (updated in place).
         lse: float32 ``[Hq]``, its natural-log log-sum-exp (updated in place; -inf = empty).
         softmax_scale: multiplies q.k before the softmax.
+        k_scale, v_scale: float32 ``[Sk, Hkv]``, exactly when k and v are fp8 (float8_e4m3fn /
+            float8_e5m2, then not q's dtype): a key is read as ``k.to(float32) * k_scale``
+            (``nanovllm.ops.kv_quant``), in registers.
 
     Raises:
-        ValueError: shapes or dtypes that disagree, Hq not a multiple of Hkv, D outside 1..256.
+        ValueError: shapes or dtypes that disagree, Hq not a multiple of Hkv, D outside 1..256,
+            scales missing for fp8 keys and values or given for others.
 
     CUDA: one Triton launch, a program per (kv head, 16 q heads of its group), 64-key tiles; when
     those programs are few (under 32) and the keys many (512 or more), the keys are split into parts
@@ -184,17 +201,21 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     second launch merges the parts into the state (a fixed reduction: deterministic). CPU:
     :func:`decode_attend_merge_ref` (or the kernels under the Triton interpreter).
     """
-    _check_args(q, k, v, out, lse)
+    _check_args(q, k, v, out, lse, k_scale, v_scale)
     if k.shape[0] == 0:
         return
     if q.dtype == torch.float64 or not use_triton(q):
-        decode_attend_merge_ref(q, k, v, out, lse, softmax_scale)
+        decode_attend_merge_ref(q, k, v, out, lse, softmax_scale, k_scale, v_scale)
         return
     heads_q, dim = q.shape
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scaled = k_scale is not None
+    if scaled and k_scale.stride() != v_scale.stride():
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    k_scale, v_scale = (k_scale, v_scale) if scaled else (lse, lse)  # not read unscaled
     block_d = block_dim(dim)
     block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
     g_chunks = cdiv(group, _BLOCK_G)
@@ -206,12 +227,12 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     else:  # one part: the kernel folds into (out, lse) itself and never touches the part buffers
         part_o, part_lse = out[:, None], lse
     _decode_attend_merge_kernel[(heads_kv, g_chunks, parts)](
-        q, k, v, out, lse, part_o, part_lse, k.shape[0], keys_per_split, softmax_scale * LOG2E,
-        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), part_o.stride(0),
-        part_o.stride(1),
+        q, k, v, k_scale, v_scale, out, lse, part_o, part_lse, k.shape[0], keys_per_split, softmax_scale * LOG2E,
+        q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(k_scale.stride() if scaled else (0, 0)),
+        out.stride(0), part_o.stride(0), part_o.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda, SPLIT=split,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        SCALED=scaled, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if split:
         _fold_parts_kernel[(heads_q,)](

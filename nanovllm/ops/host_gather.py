@@ -79,7 +79,9 @@ def _gather_host_pages_kernel(src_k, src_v, src_pages, heads, dst_k, dst_v, dst_
 
 
 def gather_host_pages(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: torch.Tensor, heads: torch.Tensor,
-                      dst_k: torch.Tensor, dst_v: torch.Tensor, dst_pages: torch.Tensor) -> None:
+                      dst_k: torch.Tensor, dst_v: torch.Tensor, dst_pages: torch.Tensor,
+                      src_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      dst_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Copy KV head ``heads[i]`` of page ``src_pages[i]`` of ``src_k`` / ``src_v`` into the same
     head of page ``dst_pages[i]`` of ``dst_k`` / ``dst_v``, for every ``i`` with ``src_pages[i] >=
     0``, in place.
@@ -92,19 +94,28 @@ def gather_host_pages(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: torch
         dst_k, dst_v: ``[pages, page_size, Hkv, D]``, same dtype, the destination pages.
         dst_pages: int32/int64 ``[n]``: the page of each entry ((page, head) distinct among copied
             entries).
+        src_scales, dst_scales: an fp8 cache's float32 scales ``(k, v)``, ``[num_pages, page_size,
+            Hkv]`` and ``[pages, page_size, Hkv]``, gathered with their pages (the same copy over
+            head_dim 1, a second launch); both None for another cache.
 
     The head_dim must be contiguous; keys and values share their strides. Ids are neither read on
     the host nor range-checked on the device (an id out of range is undefined behaviour).
 
     Raises:
         ValueError: shapes, dtypes or id tensors that disagree, ids off the destination's device,
-            an unpinned CPU source for CUDA destinations, a non-contiguous head_dim.
+            an unpinned CPU source for CUDA destinations, a non-contiguous head_dim, scales given
+            on one side only.
 
     CUDA: one Triton launch, a program per entry (a -1 entry returns at once), no host sync. The
     source is read through unified virtual addressing (PCIe), so a pinned CPU source must stay
     alive and unmodified until the kernel ran. Elsewhere (CPU, no Triton): :func:`gather_host_pages_ref`.
     """
     _check_gather_args(src_k, src_v, src_pages, heads, dst_k, dst_v, dst_pages)
+    if (src_scales is None) != (dst_scales is None):
+        raise ValueError("src_scales and dst_scales go together (an fp8 cache's scales), or neither")
+    if src_scales is not None:
+        gather_host_pages(*(s.unsqueeze(-1) for s in src_scales), src_pages, heads,
+                          *(s.unsqueeze(-1) for s in dst_scales), dst_pages)
     if not use_triton(dst_k):
         gather_host_pages_ref(src_k, src_v, src_pages, heads, dst_k, dst_v, dst_pages)
         return

@@ -7,6 +7,7 @@ import torch
 
 from ._triton import cdiv, check_gqa, check_head_dim
 from .chunked_attention import flash_attn_with_lse, flash_attn_with_lse_ref, merge_attention_outputs
+from .kv_quant import check_scales
 from .store_kv import gather_kvcache
 from .window_attention import (check_window, flash_window, gather_tokens, sliding_window_attention,
                                sliding_window_attention_ref, window_start)
@@ -81,13 +82,20 @@ def _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefix
         )
 
 
-def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, window) -> None:
+def _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, window, k_scale,
+                        v_scale) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ValueError unless the arguments fit; returns the caches' scales ``(k_scale, v_scale)`` (None
+    for caches that are not fp8)."""
     _check_packed(q, k, v)
     if window is not None:
         check_window(window)
     _check_lengths(q.shape[0], seqlens_q, seqlens_k)
     _check_prefixes(k, seqlens_q, seqlens_k, prefixes, window)
     _check_cache(k, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes)
+    if k_cache is not None:
+        check_scales(k_cache, k_scale, "k_scale")
+        check_scales(v_cache, v_scale, "v_scale")
+    return None if k_scale is None else (k_scale, v_scale)
 
 
 def _sequences(seqlens_q: list[int], seqlens_k: list[int]):
@@ -106,39 +114,43 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
 
 
 def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, dtype,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, kv_scales=None) -> torch.Tensor:
     """The first ``num_tokens`` keys (which=0) or values (1) of sequence i, or with a window only
     those its chunk's first query sees (from ``window_start(num_tokens, window)``): given in
-    ``prefixes`` (their last rows), or gathered from the paged cache (only the blocks holding them)."""
+    ``prefixes`` (their last rows), or gathered from the paged cache (only the blocks holding them;
+    an fp8 cache's dequantized by ``kv_scales[which]``)."""
     first = window_start(num_tokens, window)
     if i in prefixes:
         return prefixes[i][which][prefixes[i][which].shape[0] - (num_tokens - first):].to(dtype)
+    scale = None if kv_scales is None else kv_scales[which]
     if first:
-        return gather_tokens(cache, block_tables[i], first, num_tokens).to(dtype)
-    return gather_kvcache(cache, block_tables[i], num_tokens).to(dtype)
+        return gather_tokens(cache, block_tables[i], first, num_tokens, scale, dtype)
+    return gather_kvcache(cache, block_tables[i], num_tokens, scale, dtype)
 
 
-def _packed_context(which, k, cache, seqs, block_tables, prefixes, window=None) -> torch.Tensor:
+def _packed_context(which, k, cache, seqs, block_tables, prefixes, window=None, kv_scales=None) -> torch.Tensor:
     """Keys (or values) of all sequences packed: the new rows, each prefixed sequence's prefix (the
     part the window shows) inserted before its rows. The rows between two prefixes are one slice
     (a chunk usually has one prefixed sequence: one cat of three pieces, not a slice per sequence)."""
     pieces, start = [], 0
     for i, rows, prefix in seqs:
         if prefix:
-            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype, window)]
+            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype, window,
+                                                    kv_scales)]
             start = rows.start
     if not pieces:
         return k
     return torch.cat([*pieces, k[start:]])
 
 
-def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, window=None):
+def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, kv_scales,
+                    window=None):
     """All sequences in one launch of torch's varlen FlashAttention-2 (GQA native, causal mask
     bottom-right aligned per sequence; with a window, its band, over only the prefix tokens the
     window shows)."""
     seqs = list(_sequences(seqlens_q, seqlens_k))
-    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes, window)
-    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes, window)
+    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes, window, kv_scales)
+    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes, window, kv_scales)
     lens_q = [seqlens_q[i] for i, _, _ in seqs]
     lens_k = [seqlens_k[i] - window_start(prefix, window) for i, _, prefix in seqs]
     cu_q, cu_k = _cumulative(lens_q, q.device), _cumulative(lens_k, q.device)
@@ -148,29 +160,32 @@ def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, bloc
                                                    True, False, scale=scale)[0]
 
 
-def _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, window,
-                    attend=sliding_window_attention):
+def _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, kv_scales,
+                    window, attend=sliding_window_attention):
     """Per sequence: its chunk over [the prefix tokens the window shows, its new rows] through
     ``attend`` (:func:`sliding_window_attention` or its reference)."""
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
         if prefix:
-            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, window), keys])
-            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, window), values])
+            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, window, kv_scales),
+                              keys])
+            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, window, kv_scales),
+                                values])
         out[rows] = attend(q[rows], keys, values, scale, window)
     return out
 
 
-def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes):
+def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes,
+                          kv_scales):
     """Per sequence: causal over its new rows, non-causal over its gathered prefix, LSE merge."""
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         q_i = q[None, rows]
         o, lse = flash_attn_with_lse(q_i, k[None, rows], v[None, rows], scale, True)
         if prefix:
-            k_pre = _prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype)
-            v_pre = _prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype)
+            k_pre = _prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, kv_scales=kv_scales)
+            v_pre = _prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, kv_scales=kv_scales)
             o_pre, lse_pre = flash_attn_with_lse(q_i, k_pre[None], v_pre[None], scale, False)
             o = merge_attention_outputs(o, lse, o_pre, lse_pre)[0]
         out[rows] = o[0]
@@ -201,21 +216,26 @@ def prefill_attention_ref(
     block_tables: torch.Tensor | None = None,
     prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`prefill_attention`: per sequence, one fp32 causal softmax over
     [prefix, new rows], with a window :func:`sliding_window_attention_ref` over [the prefix tokens
     it shows, new rows] (same arguments and result)."""
     prefixes = prefixes or {}
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, sliding_window)
+    kv_scales = _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes,
+                                    sliding_window, k_scale, v_scale)
     if sliding_window is not None:
         return _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes,
-                               sliding_window, sliding_window_attention_ref)
+                               kv_scales, sliding_window, sliding_window_attention_ref)
     out = torch.empty_like(q)
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
         if prefix:
-            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype), keys])
-            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype), values])
+            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, kv_scales=kv_scales),
+                              keys])
+            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, kv_scales=kv_scales),
+                                values])
         out[rows] = flash_attn_with_lse_ref(q[None, rows], keys[None], values[None], scale, True)[0][0]
     return out
 
@@ -232,6 +252,8 @@ def prefill_attention(
     block_tables: torch.Tensor | None = None,
     prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length causal prefill attention, optionally in a sliding window.
 
@@ -255,6 +277,9 @@ def prefill_attention(
             ``p - sliding_window + 1 .. p`` (an int >= 1): only the prefix tokens some query of a
             chunk sees are gathered (from ``window_start(prefix, sliding_window)`` on) and the
             key blocks before them are never read.
+        k_scale, v_scale: float32 ``[num_blocks, block_size, Hkv]``, exactly when the caches are
+            fp8: the prefix gathered from the cache is dequantized (``nanovllm.ops.kv_quant``) to
+            q's dtype; the new rows are the unquantized k, v (they were quantized as stored).
 
     Returns:
         ``[Nq, Hq, D]`` in q.dtype; query j of sequence i sits at position
@@ -264,7 +289,7 @@ def prefill_attention(
     Raises:
         ValueError: inconsistent shapes or lengths, a prefix without cache/block tables, a
             block table too short for a prefixed context, or a given prefix of the wrong shape
-            (messages give the value and the limit).
+            (messages give the value and the limit); scales missing for fp8 caches or given for others.
 
     CUDA, several sequences of at most 1024 new tokens on average in fp16/bf16: one varlen
     FlashAttention-2 launch (``torch.ops.aten._flash_attention_forward``, GQA native, bottom-right
@@ -279,8 +304,9 @@ def prefill_attention(
     sequence :func:`sliding_window_attention` (query tiles over the keys they see).
     """
     prefixes = prefixes or {}
-    _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes, sliding_window)
-    args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes)
+    kv_scales = _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes,
+                                    sliding_window, k_scale, v_scale)
+    args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, kv_scales)
     if _use_varlen(q, seqlens_q, sliding_window):
         try:
             return _prefill_varlen(*args, sliding_window)

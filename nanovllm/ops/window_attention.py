@@ -29,11 +29,15 @@ def window_start(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
-def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int,
+                  scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows ``start .. end - 1`` of one sequence from the paged cache ``[num_blocks, block_size,
-    Hkv, D]`` (``block_table``: its block ids in order); only the blocks holding them are read."""
+    Hkv, D]`` (``block_table``: its block ids in order); only the blocks holding them are read.
+    ``scale``, ``dtype``: as :func:`~nanovllm.ops.store_kv.gather_kvcache` (an fp8 cache's rows
+    dequantized to ``dtype``)."""
     first = start // cache.shape[1]
-    return gather_kvcache(cache, block_table[first:], end - first * cache.shape[1])[start - first * cache.shape[1]:]
+    return gather_kvcache(cache, block_table[first:], end - first * cache.shape[1], scale,
+                          dtype)[start - first * cache.shape[1]:]
 
 
 def _check(q, k, v, window) -> int:

@@ -105,8 +105,11 @@ def replica_config(config, replica: int):
 # ---- statistics --------------------------------------------------------------------------
 
 def sum_kv_cache_stats(per_replica: list[dict]) -> dict:
-    """``LLM.get_kv_cache_stats()`` of the whole engine: every count summed over the replicas."""
-    return {key: sum(stats[key] for stats in per_replica) for key in per_replica[0]}
+    """``LLM.get_kv_cache_stats()`` of the whole engine: every count summed over the replicas (a
+    str, the ``kv_cache_dtype`` all replicas share, taken from the first)."""
+    first = per_replica[0]
+    return {key: value if isinstance(value, str) else sum(stats[key] for stats in per_replica)
+            for key, value in first.items()}
 
 
 # ---- spawned replicas --------------------------------------------------------------------

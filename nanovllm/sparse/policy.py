@@ -156,11 +156,11 @@ class SparsePolicy:
                  device: torch.device, num_gpu_blocks: int, num_host_blocks: int) -> None:
         """Called once the tiers are sized: allocate per-block metadata here."""
 
-    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
+    def on_pages_full(self, keys: torch.Tensor, gpu_ids: torch.Tensor) -> None:
         """Pages (:attr:`page_size` tokens; the whole block when 0) of GPU blocks ``gpu_ids``
-        (int64 ``[n]``) became full this step: the blocks' keys of every layer are
-        ``k_cache[:, gpu_ids]`` (``k_cache``: ``[num_layers, >= num_gpu_blocks, block_size, Hkv,
-        D]``). Metadata of a block's pages not yet full is never read (the page being written is
+        (int64 ``[n]``) became full this step: ``keys`` ``[num_layers, n, block_size, Hkv, D]``
+        are those blocks' keys of every layer in the model's dtype (an fp8 cache's dequantized,
+        so that metadata reads what attention reads). Metadata of a block's pages not yet full is never read (the page being written is
         always read whole, ``fixed_pages``)."""
 
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:

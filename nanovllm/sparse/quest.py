@@ -4,7 +4,7 @@ Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
 Per page of ``page_size`` tokens (the paper's 16) of every full block and layer, the policy keeps
 the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on the device), for
 the blocks of both tiers (indexed by metadata page, see ``policy.py``): computed from the GPU cache
-when a page becomes full, copied along when the block is spilled to the host tier and back
+when a page becomes full (an fp8 cache's keys dequantized), copied along when the block is spilled to the host tier and back
 when it is loaded into the GPU tier. Per layer, every KV head scores its candidate pages from its
 query heads' upper bounds of ``q . k`` (each head's bounds as a softmax over the candidates,
 combined over the GQA group by ``group_score``: "max" or "sum"; ``nanovllm.ops.quest_scores``)
@@ -73,8 +73,7 @@ class QuestPolicy(ChoosingPolicy):
         self.kmin, self.kmax = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.num_gpu_blocks = num_gpu_blocks
 
-    def on_pages_full(self, k_cache: torch.Tensor, gpu_ids: torch.Tensor) -> None:
-        keys = k_cache[:, gpu_ids]  # [L, n, B, Hkv, D]
+    def on_pages_full(self, keys: torch.Tensor, gpu_ids: torch.Tensor) -> None:
         pages = keys.view(*keys.shape[:2], -1, self.page_size, *keys.shape[3:])
         self.kmin[:, gpu_ids] = pages.amin(3)
         self.kmax[:, gpu_ids] = pages.amax(3)

@@ -1,0 +1,485 @@
+"""FP8 KV cache (``kv_cache_dtype``): the quantization the store writes, every read path against its
+reference over the dequantized cache (CPU, and the Triton kernels under the interpreter), the
+option, the spec and sizing, a checkpoint's static scales, chunking and prefix hits, and SmolLM2's
+teacher-forced top-1 agreement with float32 KV.
+
+The interpreter must be switched on before Triton is imported, so the ``test_interpreted_*``
+tests run in a child pytest (``test_kernels_under_the_interpreter``).
+"""
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _interpreter import interpreted_only, run_interpreted_tests
+from _util import build_llm, generate_with_logits, greedy, random_prompt, token_ids
+from nanovllm.kvcache import sizing
+from nanovllm.kvcache.spec import LayerKVSpec
+from nanovllm.ops import (decode_attend_merge, decode_attend_merge_ref, decode_attention, decode_attention_ref,
+                          gather_host_pages, gather_host_pages_ref, prefill_attention, prefill_attention_ref,
+                          store_kvcache, store_kvcache_ref)
+from nanovllm.ops.kv_quant import MIN_SCALE, dequantize, fp8_mantissa_bits, fp8_max, quantize_ref
+from nanovllm.ops.store_kv import KVScales
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+HEADS_Q, HEADS_KV, DIM, BLOCK, NUM_BLOCKS = 8, 2, 64, 16, 8
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _stored_cache(dtype, seed=0, num_blocks=NUM_BLOCKS, heads=HEADS_KV):
+    """An fp8 cache with every slot written by the store (keys with an outlier channel), and the
+    same cache dequantized to float32."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_blocks * BLOCK
+    keys = torch.randn(n, heads, DIM, generator=g)
+    keys[:, :, 3] *= 30  # an outlier channel (Qwen2-family keys): dynamic scales follow it
+    values = torch.randn(n, heads, DIM, generator=g)
+    k_cache, v_cache = (torch.empty(num_blocks, BLOCK, heads, DIM, dtype=dtype) for _ in range(2))
+    scales = KVScales(*(torch.empty(num_blocks, BLOCK, heads) for _ in range(2)))
+    store_kvcache(keys, values, k_cache, v_cache, torch.arange(n), scales)
+    plain = [dequantize(c, s, torch.float32) for c, s in zip((k_cache, v_cache), scales[:2])]
+    return k_cache, v_cache, scales, plain
+
+
+# ---- quantization and the store ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_dynamic_scales_map_each_rows_amax_to_the_fp8_max(dtype):
+    x = torch.randn(5, 3, DIM) * torch.logspace(-3, 3, 5)[:, None, None]
+    x[2, 1] = 0.0
+    stored, scale, saturated = quantize_ref(x, dtype)
+    amax = x.abs().amax(-1)
+    assert torch.equal(scale, (amax / fp8_max(dtype)).clamp(min=MIN_SCALE))
+    assert int(saturated) == 0 and scale[2, 1] == MIN_SCALE and torch.equal(stored[2, 1].float(), torch.zeros(DIM))
+    back = dequantize(stored, scale, torch.float32)
+    assert torch.isfinite(back).all()
+    # round to nearest: at most half a step of the top binade (2^-(M+1) of the row's amax)
+    assert ((back - x).abs() <= amax[..., None] * 2.0 ** -(fp8_mantissa_bits(dtype) + 1)).all()
+    torch.testing.assert_close(back.abs().amax(-1), amax, rtol=1e-6, atol=0), "the largest element: to rounding"
+
+
+def test_static_scales_saturate_and_count_what_they_clamp():
+    x = torch.tensor([[[1.0, -2.0, 500.0, -900.0]]])
+    stored, scale, saturated = quantize_ref(x, torch.float8_e4m3fn, static_scale=1.0)
+    assert int(saturated) == 2 and stored.float().tolist() == [[[1.0, -2.0, 448.0, -448.0]]]
+    assert torch.equal(scale, torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("slots", [[0, 5, 17, 33, 63, 2], [0, 5, -1, 33, 63, 2]], ids=["dense", "padded"])
+@pytest.mark.parametrize("static", [None, (0.002, 0.005)], ids=["dynamic", "static"])
+def test_store_cpu_equals_reference(slots, static):
+    g = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(len(slots), HEADS_KV, DIM, generator=g) for _ in range(2))
+    got = []
+    for store in (store_kvcache, store_kvcache_ref):
+        caches = [torch.zeros(4, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        scales = KVScales(torch.zeros(4, BLOCK, HEADS_KV), torch.zeros(4, BLOCK, HEADS_KV), static,
+                          torch.zeros(1, dtype=torch.int64))
+        store(key, value, *caches, torch.tensor(slots), scales)
+        got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated))
+    for ours, ref in zip(*got):
+        assert torch.equal(ours, ref)
+    assert (got[0][4].item() > 0) == (static is not None), "tiny static scales clamp; dynamic ones never do"
+
+
+def test_scales_are_checked_against_the_cache_dtype():
+    key = torch.randn(2, HEADS_KV, DIM)
+    fp8 = [torch.zeros(2, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    plain = [torch.zeros(2, BLOCK, HEADS_KV, DIM) for _ in range(2)]
+    scales = KVScales(torch.zeros(2, BLOCK, HEADS_KV), torch.zeros(2, BLOCK, HEADS_KV))
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="needs k_scale"):
+        store_kvcache(key, key, *fp8, slots)
+    with pytest.raises(ValueError, match="k_scale given for a torch.float32 cache"):
+        store_kvcache(key, key, *plain, slots, scales)
+    with pytest.raises(ValueError, match=r"k_scale must be float32 \(2, 16, 2\)"):
+        store_kvcache(key, key, *fp8, slots, KVScales(torch.zeros(2, BLOCK, 1), torch.zeros(2, BLOCK, 1)))
+    q = torch.randn(1, HEADS_Q, DIM)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode_attention(q, *fp8, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+
+
+# ---- read paths against the references over the dequantized cache -------------------------
+
+def _decode_cases(per_head: bool, starts: bool):
+    tables = torch.tensor([[0, 1, 2], [3, 4, -1], [5, 6, 7]], dtype=torch.int32)
+    if per_head:
+        tables = torch.stack([tables, tables.roll(1, -1)], 1)
+    lens = torch.tensor([40, 20, 33], dtype=torch.int32)
+    return tables, lens, torch.tensor([5, 0, 17], dtype=torch.int32) if starts else None
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("per_head", [False, True], ids=["table", "per-head-tables"])
+@pytest.mark.parametrize("starts", [False, True], ids=["full", "window-starts"])
+def test_decode_reads_the_dequantized_cache(dtype, per_head, starts):
+    k_cache, v_cache, scales, (k_plain, v_plain) = _stored_cache(dtype)
+    tables, lens, context_starts = _decode_cases(per_head, starts)
+    q = torch.randn(3, HEADS_Q, DIM)
+    want = decode_attention_ref(q, k_plain, v_plain, tables, lens, 0.125, True, context_starts)
+    for decode in (decode_attention, decode_attention_ref):
+        out, lse = decode(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True, context_starts=context_starts,
+                          k_scale=scales.k_scale, v_scale=scales.v_scale)
+        torch.testing.assert_close(out, want[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, want[1], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_ring_fold_reads_the_dequantized_block(dtype):
+    k_cache, v_cache, scales, (k_plain, v_plain) = _stored_cache(dtype)
+    q = torch.randn(HEADS_Q, DIM)
+    out0, lse0 = torch.randn(HEADS_Q, DIM), torch.randn(HEADS_Q)
+    want_out, want_lse = out0.clone(), lse0.clone()
+    decode_attend_merge_ref(q, k_plain[2], v_plain[2], want_out, want_lse, 0.125)
+    out, lse = out0.clone(), lse0.clone()
+    decode_attend_merge(q, k_cache[2], v_cache[2], out, lse, 0.125, scales.k_scale[2], scales.v_scale[2])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_page_gather_moves_each_pages_scales():
+    k_src, v_src, scales, _ = _stored_cache(torch.float8_e4m3fn)
+    dst = [torch.zeros(3, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    dst_scales = (torch.zeros(3, BLOCK, HEADS_KV), torch.zeros(3, BLOCK, HEADS_KV))
+    src, heads, to = torch.tensor([4, -1, 6]), torch.tensor([1, 0, 0]), torch.tensor([0, 1, 2])
+    gather_host_pages(k_src, v_src, src, heads, *dst, to, scales[:2], dst_scales)
+    assert torch.equal(_bits(dst[0][0, :, 1]), _bits(k_src[4, :, 1])) and torch.equal(_bits(dst[1][2, :, 0]),
+                                                                                    _bits(v_src[6, :, 0]))
+    assert torch.equal(dst_scales[0][0, :, 1], scales.k_scale[4, :, 1])
+    assert torch.equal(dst_scales[1][2, :, 0], scales.v_scale[6, :, 0])
+    assert not dst_scales[0][1].any() and not dst_scales[0][0, :, 0].any(), "a -1 entry and other heads untouched"
+    with pytest.raises(ValueError, match="src_scales and dst_scales go together"):
+        gather_host_pages(k_src, v_src, src, heads, *dst, to, scales[:2])
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_over_a_cached_fp8_prefix_reads_it_dequantized(window):
+    k_cache, v_cache, scales, (k_plain, v_plain) = _stored_cache(torch.float8_e4m3fn)
+    seqlens_q, seqlens_k = [5, 7], [37, 7]  # a 32-token prefix, and a sequence without one
+    q, k, v = torch.randn(12, HEADS_Q, DIM), torch.randn(12, HEADS_KV, DIM), torch.randn(12, HEADS_KV, DIM)
+    tables = torch.tensor([[3, 1, 6], [0, 0, 0]], dtype=torch.int32)
+    want = prefill_attention_ref(q, k, v, seqlens_q, seqlens_k, 0.125, k_plain, v_plain, tables,
+                                 sliding_window=window)
+    for prefill in (prefill_attention, prefill_attention_ref):
+        got = prefill(q, k, v, seqlens_q, seqlens_k, 0.125, k_cache, v_cache, tables, sliding_window=window,
+                      k_scale=scales.k_scale, v_scale=scales.v_scale)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+# ---- the Triton kernels, under the interpreter ---------------------------------------------
+
+def test_kernels_under_the_interpreter():
+    run_interpreted_tests(__file__, min_passed=20)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("static", [None, (1e-5, 2e-5)], ids=["dynamic", "static"])  # static: beyond e5m2's range too
+def test_interpreted_store_equals_reference_bit_for_bit(dtype, static):
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([0, 5, -1, 33, 63, 2, 40])
+    key, value = (torch.randn(7, 3, 40, generator=g) * 4 for _ in range(2))  # 3 heads, head_dim 40: padded tiles
+    got = []
+    for store in (store_kvcache, store_kvcache_ref):
+        caches = [torch.zeros(4, BLOCK, 3, 40, dtype=dtype) for _ in range(2)]
+        scales = KVScales(torch.zeros(4, BLOCK, 3), torch.zeros(4, BLOCK, 3), static, torch.zeros(1, dtype=torch.int64))
+        store(key, value, *caches, slots, scales)
+        got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated))
+    for ours, ref in zip(*got):
+        assert torch.equal(ours, ref)
+    assert (got[0][4].item() > 0) == (static is not None)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+def test_interpreted_store_rounds_the_whole_fp8_range_as_torch(dtype):
+    """Elements from the row's amax down to 1e-12 of it: normal values whose rounding carries into
+    the exponent, subnormals, and zeros of either sign, the bits of torch's cast."""
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(64, 2, DIM, generator=g) * torch.logspace(-12, 0, DIM)
+    key[:, :, 0] = 1.0
+    value = -key.flip(-1)
+    got = []
+    for store in (store_kvcache, store_kvcache_ref):
+        caches = [torch.zeros(4, BLOCK, 2, DIM, dtype=dtype) for _ in range(2)]
+        scales = KVScales(torch.zeros(4, BLOCK, 2), torch.zeros(4, BLOCK, 2))
+        store(key, value, *caches, torch.arange(64), scales)
+        got.append([_bits(c) for c in caches])
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    subnormal = got[1][0] & 0x7F < (1 << (7 - fp8_mantissa_bits(dtype)))  # exponent bits all zero
+    assert subnormal.float().mean() > 0.2, "the case covers subnormals"
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("per_head", [False, True], ids=["table", "per-head-tables"])
+@pytest.mark.parametrize("starts, num_splits", [(False, None), (False, 3), (True, 2)])
+def test_interpreted_decode_matches_reference(dtype, per_head, starts, num_splits):
+    k_cache, v_cache, scales, _ = _stored_cache(dtype)
+    tables, lens, context_starts = _decode_cases(per_head, starts)
+    q = torch.randn(3, HEADS_Q, DIM)
+    args = (q, k_cache, v_cache, tables, lens, 0.125)
+    kwargs = dict(return_lse=True, context_starts=context_starts, k_scale=scales.k_scale, v_scale=scales.v_scale)
+    out, lse = decode_attention(*args, num_splits=num_splits, **kwargs)
+    want_out, want_lse = decode_attention_ref(*args, **kwargs)
+    torch.testing.assert_close(out, want_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("num_keys", [BLOCK, 4 * 256], ids=["one-part", "split"])
+def test_interpreted_ring_fold_matches_reference(dtype, num_keys):
+    k_cache, v_cache, scales, _ = _stored_cache(dtype, num_blocks=num_keys // BLOCK, heads=1)
+    k, v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    k_scale, v_scale = scales.k_scale.flatten(0, 1), scales.v_scale.flatten(0, 1)
+    q = torch.randn(4, DIM)
+    state = [(torch.randn(4, DIM), torch.randn(4)) for _ in range(2)]
+    state[1] = (state[0][0].clone(), state[0][1].clone())
+    decode_attend_merge(q, k, v, *state[0], 0.125, k_scale, v_scale)
+    decode_attend_merge_ref(q, k, v, *state[1], 0.125, k_scale, v_scale)
+    torch.testing.assert_close(state[0][0], state[1][0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(state[0][1], state[1][1], atol=2e-6, rtol=1e-5)
+
+
+@interpreted_only
+def test_interpreted_page_gather_moves_scales():
+    k_src, v_src, scales, _ = _stored_cache(torch.float8_e4m3fn)
+    src, heads, to = torch.tensor([4, -1, 6, 1]), torch.tensor([1, 0, 0, 0]), torch.tensor([0, 1, 2, 0])
+    got = []
+    for gather in (gather_host_pages, gather_host_pages_ref):
+        dst = [torch.zeros(3, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        dst_scales = (torch.zeros(3, BLOCK, HEADS_KV), torch.zeros(3, BLOCK, HEADS_KV))
+        if gather is gather_host_pages:
+            gather(k_src, v_src, src, heads, *dst, to, scales[:2], dst_scales)
+        else:  # the reference of the pages, and of the scales as pages of head_dim 1
+            gather(k_src, v_src, src, heads, *dst, to)
+            gather(*(s.unsqueeze(-1) for s in scales[:2]), src, heads, *(s.unsqueeze(-1) for s in dst_scales), to)
+        got.append((*(_bits(d) for d in dst), *dst_scales))
+    for ours, ref in zip(*got):
+        assert torch.equal(ours, ref)
+    assert got[0][2].any()
+
+
+# ---- the option, the spec, sizing ----------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["fp4", "FP8", "float8", 8, None, torch.float8_e4m3fn])
+def test_bad_kv_cache_dtype_is_refused_and_the_engine_keeps_serving(qwen3_dir, value):
+    with build_llm(qwen3_dir) as llm:
+        with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', "
+                                             rf"got {value!r:.10}"):
+            build_llm(qwen3_dir, kv_cache_dtype=value)
+        assert len(llm.generate([random_prompt(20, seed=5)], greedy(4), use_tqdm=False)[0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("name, dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                         ("fp8_e5m2", torch.float8_e5m2), ("auto", torch.float32)])
+def test_the_spec_carries_the_storage_dtype_and_scale_layout(qwen3_dir, caplog, name, dtype):
+    with caplog.at_level(logging.INFO, logger="nanovllm.kvcache.cache"):
+        with build_llm(qwen3_dir, kv_cache_dtype=name) as llm:
+            cache = llm.model_runner.cache
+            stats = llm.get_kv_cache_stats()
+            out = llm.generate([random_prompt(300, seed=6)], greedy(4), use_tqdm=False)[0]["token_ids"]
+            assert cache.kv.dtype == dtype and (cache.kv_scales is None) == (name == "auto")
+    assert {(s.dtype, s.cache_dtype, s.scale_layout) for s in cache.specs} == {
+        (torch.float32, dtype, "token_head" if name != "auto" else "none")}
+    assert cache.geometry.layer_block_bytes == cache.specs[0].token_bytes * cache.geometry.block_size
+    assert stats["kv_cache_dtype"] == name and stats["saturated_values"] == 0
+    assert stats["gpu_tokens"] == stats["gpu_blocks"] * 256 and stats["host_tokens"] == 0
+    assert len(out) == 4
+    assert f"kv_cache_dtype='{name}'" in caplog.text and "tier 32 blocks = 8192 tokens" in caplog.text
+
+
+@pytest.mark.parametrize("head_dim, ratio", [(64, 128 / 68), (128, 256 / 132)])
+def test_fp8_holds_about_twice_the_tokens_in_both_tiers(qwen3_dir, monkeypatch, head_dim, ratio):
+    """Bytes per token (scales included): bf16 ``2 * Hkv * 2D``, fp8 ``2 * Hkv * (D + 4)``, so the same
+    memory holds 1.88x the tokens at head_dim 64 and 1.94x at 128."""
+    specs = {dt: LayerKVSpec(8, head_dim, torch.bfloat16, cache_dtype=dt) for dt in (None, torch.float8_e4m3fn)}
+    assert specs[None].token_bytes / specs[torch.float8_e4m3fn].token_bytes == pytest.approx(ratio)
+    assert specs[torch.float8_e4m3fn].token_bytes == 2 * 8 * (head_dim + 4)
+    monkeypatch.setattr(sizing, "host_memory_share", lambda fraction, ranks: 64 << 20)
+    blocks = {}
+    for name in ("auto", "fp8"):
+        with build_llm(qwen3_dir, kv_cache_dtype=name, max_num_seqs=512, dtype="bfloat16") as llm:
+            config, g = copy.copy(llm.config), llm.model_runner.cache.geometry
+            config.num_kvcache_blocks = -1  # sized from the (patched) memory share, as without the option
+            blocks[name] = (sizing.gpu_blocks(config, g, torch.device("cpu"), 0, 0, 0, 1),
+                            sizing.host_blocks(config, g, 1))
+    assert blocks["auto"][0] < sizing.wanted_blocks(config), "the memory share, not the configuration, binds"
+    head_ratio = (2 * 32) / (32 + 4)  # the checkpoint's head_dim is 32
+    for tier in range(2):
+        assert blocks["fp8"][tier] / blocks["auto"][tier] == pytest.approx(head_ratio, rel=0.01)
+
+
+def test_data_parallel_stats_sum_the_counts_and_keep_the_dtype():
+    from nanovllm.parallel.data_parallel import sum_kv_cache_stats
+
+    replica = {"kv_cache_dtype": "fp8", "gpu_tokens": 512, "saturated_values": 3}
+    assert sum_kv_cache_stats([replica, dict(replica, saturated_values=1)]) == {
+        "kv_cache_dtype": "fp8", "gpu_tokens": 1024, "saturated_values": 4}
+
+
+# ---- a checkpoint's static scales -----------------------------------------------------------
+
+def _with_kv_scales(src: str, dst: Path, k_scale: float, v_scale: float) -> str:
+    shutil.copytree(src, dst)
+    layers = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for i in range(layers):
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale)
+        save_file(tensors, file)
+    return str(dst)
+
+
+def test_checkpoint_kv_scales_are_static_scales_and_saturate(qwen3_dir, tmp_path):
+    prompt = [random_prompt(300, seed=7)]
+    tiny = _with_kv_scales(qwen3_dir, tmp_path / "tiny", 1e-4, 1e-4)
+    with build_llm(tiny, kv_cache_dtype="fp8") as llm:
+        assert all(s.static_scales == pytest.approx((1e-4, 1e-4)) for s in llm.model_runner.cache.specs)
+        llm.generate(prompt, greedy(4), use_tqdm=False)
+        assert llm.get_kv_cache_stats()["saturated_values"] > 0, "keys beyond 448 x 1e-4 clamp"
+        scales = llm.model_runner.cache.kv_scales
+        written = scales == torch.tensor(1e-4)
+        assert written.sum() >= 300 * scales[0, :, 0].numel() // 256 * 2, "every stored (token, head): the static scale"
+        assert (written | (scales == 1.0)).all(), "the rest untouched since allocation"
+    with build_llm(tiny) as llm, build_llm(qwen3_dir) as plain:
+        assert {s.static_scales for s in llm.model_runner.cache.specs} == {None}, "ignored without fp8"
+        assert token_ids(llm.generate(prompt, greedy(8), use_tqdm=False)) == \
+            token_ids(plain.generate(prompt, greedy(8), use_tqdm=False))
+
+
+# ---- chunking and prefix hits ---------------------------------------------------------------
+
+def _max_difference(got, ref) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(got[1], ref[1]))
+
+
+def test_chunked_prefill_and_prefix_hits_see_the_stored_values(qwen3_dir):
+    """A chunk attends to its own tokens as stored, so a prefix-cache hit and chunks of 100 give
+    one chunk's tokens, and logits that differ only where float32 sums in another order (other
+    chunk boundaries) round a later layer's key to the neighbouring fp8 value now and then
+    (measured up to 2e-4)."""
+    prompts = [random_prompt(700, seed=8), random_prompt(300, seed=9)]
+    runs = {}
+    for chunk in (16384, 100):
+        with build_llm(qwen3_dir, kv_cache_dtype="fp8", max_num_batched_tokens=chunk) as llm:
+            runs[chunk] = generate_with_logits(llm, prompts, 8)
+            hit = generate_with_logits(llm, prompts, 8)
+            assert llm.get_kv_cache_stats()["prefix_cache_hit_tokens"] >= 512 + 256
+        assert hit[0] == runs[chunk][0] and _max_difference(hit, runs[chunk]) <= 1e-3
+    assert runs[100][0] == runs[16384][0]
+    assert _max_difference(runs[100], runs[16384]) <= 1e-3
+
+
+def test_xattn_estimates_over_the_dequantized_gpu_tier_prefix(qwen3_dir):
+    """XATTN_BSA at threshold 1.0 keeps every block, so in chunks of 256 on the GPU tier (its
+    estimate and attention over the fp8 prefix gathered from the cache) it gives FULL's tokens."""
+    prompts = [random_prompt(n, seed=600 + n) for n in (700, 1000)]
+    runs = {}
+    for policy in ("FULL", "XATTN_BSA"):
+        extra = dict(sparse_threshold=1.0) if policy == "XATTN_BSA" else {}
+        with build_llm(qwen3_dir, kv_cache_dtype="fp8", max_num_batched_tokens=256, sparse_policy=policy,
+                       **extra) as llm:
+            runs[policy] = generate_with_logits(llm, prompts, 8)
+    assert runs["XATTN_BSA"][0] == runs["FULL"][0]
+    assert _max_difference(runs["XATTN_BSA"], runs["FULL"]) <= 1e-3
+
+
+def test_sliding_window_fp8_over_both_tiers_and_in_chunks_gives_gpu_only_tokens(mistral_dir):
+    """Mistral's window (300 tokens, its edge inside a block) with fp8 KV: the host tier holding most
+    window blocks, and chunks of 128, give the GPU-only fp8 engine's tokens (logits to 1e-3, as in
+    test_tiers.py)."""
+    prompts = [random_prompt(n, seed=500 + n) for n in (100, 700, 900)]
+    runs = {}
+    for name, opts in (("gpu", dict(num_kvcache_blocks=16)), ("chunks", dict(num_kvcache_blocks=16,
+                                                                              max_num_batched_tokens=128)),
+                       ("host", dict(num_kvcache_blocks=2, enable_cpu_offload=True, num_cpu_kvcache_blocks=16,
+                                     num_ring_slots=2))):
+        with build_llm(mistral_dir, max_model_len=1024, kv_cache_dtype="fp8", **opts) as llm:
+            runs[name] = generate_with_logits(llm, prompts, 32)
+            if name == "host":
+                assert llm.get_kv_cache_stats()["spilled_blocks"] > 0
+    for name in ("chunks", "host"):
+        assert runs[name][0] == runs["gpu"][0], name
+        assert _max_difference(runs[name], runs["gpu"]) <= 1e-3, name
+
+
+# ---- SmolLM2: fp8 e4m3 KV against float32 KV ------------------------------------------------
+
+def _top1(llm, prompt_ids: list[int]) -> list[int]:
+    """The top-1 next token at every prompt position after the first (teacher forced)."""
+    from nanovllm import SamplingParams
+
+    out = llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    return [next(t for t, lp in entry.items() if lp.rank == 1) for entry in out.prompt_logprobs[1:]]
+
+
+SMOLLM2_MIN_AGREEMENT = 0.93
+"""Teacher-forced top-1 agreement of e4m3 KV with float32 KV that SmolLM2-135M reaches on README.md
+(measured 0.941, 601 of 639; docs/kvcache.md, "FP8 KV"): below the issue's 0.98, which the format
+itself does not reach on this model: an independent fake quantization of keys and values in HF
+transformers gives 0.934 (bf16 KV: 0.991)."""
+
+
+def _hf_top1(model: str, ids: list[int], quantize: bool) -> list[int]:
+    """HF transformers' teacher-forced top-1 of SmolLM2 in float32, its keys and values (after RoPE)
+    quantized per (token, KV head) by :func:`quantize_ref` and dequantized when ``quantize``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    def fake(t):  # [1, H, S, D]
+        stored, scale, _ = quantize_ref(t[0].transpose(0, 1), torch.float8_e4m3fn)
+        return dequantize(stored, scale, t.dtype).transpose(0, 1)[None]
+
+    sdpa = modeling_llama.ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa(module, query, fake(key), fake(value), *args, **kwargs)
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if quantize:
+        hf.config._attn_implementation = "fp8_kv_test"
+        modeling_llama.ALL_ATTENTION_FUNCTIONS["fp8_kv_test"] = attention
+    try:
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+    finally:
+        modeling_llama.ALL_ATTENTION_FUNCTIONS.pop("fp8_kv_test", None)
+
+
+@pytest.mark.slow
+def test_smollm2_fp8_kv_agrees_with_float32_kv_on_real_text():
+    """README.md's first 640 tokens, prefilled in chunks of 128 (later chunks read earlier ones from
+    the cache): top-1 of e4m3 KV against float32 KV, at least :data:`SMOLLM2_MIN_AGREEMENT` and within
+    2 points of HF transformers with the same quantization applied to its keys and values (the
+    engine's stores, tiers and kernels lose nothing beyond the format)."""
+    from transformers import AutoTokenizer
+
+    from nanovllm import LLM
+    from nanovllm.fetch import fetch_model
+
+    model = fetch_model()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"][:640]
+    assert len(ids) == 640
+    top1 = {}
+    for kv in ("auto", "fp8_e4m3"):
+        with LLM(model, dtype="float32", device="cpu", max_model_len=1024, enforce_eager=True,
+                 max_num_batched_tokens=128, kv_cache_dtype=kv) as llm:
+            top1[kv] = _top1(llm, ids)
+    assert len(top1["auto"]) == 639 >= 512
+    agreement = sum(a == b for a, b in zip(top1["auto"], top1["fp8_e4m3"])) / len(top1["auto"])
+    hf = [_hf_top1(model, ids, quantize) for quantize in (False, True)]
+    hf_agreement = sum(a == b for a, b in zip(*hf)) / len(hf[0])
+    assert agreement >= SMOLLM2_MIN_AGREEMENT, (agreement, hf_agreement)
+    assert abs(agreement - hf_agreement) <= 0.02, (agreement, hf_agreement)
