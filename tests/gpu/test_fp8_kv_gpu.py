@@ -91,7 +91,10 @@ def test_decode_kernel_matches_reference(dtype, q_dtype, heads_q, heads_kv, dim,
         plain = [dequantize(c, s, torch.float32) for c, s in zip((k_cache, v_cache), scales[:2])]
         want_out, want_lse = decode_attention_ref(q.float(), *plain, tables, lens, dim ** -0.5, return_lse=True)
     assert_close(out, want_out.float())
-    assert_close(lse, want_lse, rel=1e-3, atol=2e-2)
+    # a head whose table has no page of a row reads nothing: -inf in both (their difference is NaN)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert_close(lse[finite], want_lse[finite], rel=1e-3, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", FP8)
