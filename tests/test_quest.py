@@ -249,7 +249,7 @@ def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
     args = types.SimpleNamespace(input_len=1000, decode_tokens=8, block_size=256, num_seqs=1, enforce_eager=True,
                                  device="cpu", max_num_batched_tokens=512, sparse_policy="QUEST",
                                  num_kvcache_blocks=2, num_ring_slots=2, num_cpu_kvcache_blocks=-1,
-                                 num_reuse_cache_blocks=-1,
+                                 num_reuse_cache_blocks=-1, kv_cache_dtype="auto",
                                  **{name: None for name in bench_offload.SPARSE_OPTIONS})
     args.sparse_token_budget = 512
     quest, full = (bench_offload._engine_kwargs(args, mode) for mode in ("tiered", "tiered-full"))
