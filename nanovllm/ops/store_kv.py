@@ -98,7 +98,9 @@ def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, SPAC
     SHIFT: tl.constexpr = 23 - MANTISSA
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & -(1 << SHIFT)).to(tl.float32, bitcast=True)
-    subnormal = ((tl.abs(x) / SPACING + 12582912.0) - 12582912.0) * SPACING
+    # times the step's reciprocal, not divided by the step: an exact power-of-two product, where
+    # the GPU lowers a float32 ``/`` to an approximate division
+    subnormal = ((tl.abs(x) * (1.0 / SPACING) + 12582912.0) - 12582912.0) * SPACING
     subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit kept (-0.0 included)
     return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal)
 

@@ -71,7 +71,7 @@ def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
         stats = llm.get_kv_cache_stats()
         # the tiers' sizes come from the free memory at start-up, which the previous engine's
         # leftovers change (17,631 vs 17,521 blocks on the H200): compare the traffic only
-        for capacity in ("gpu_blocks", "host_blocks"):
+        for capacity in ("gpu_blocks", "host_blocks", "gpu_tokens", "host_tokens"):
             stats.pop(capacity, None)
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.gpu.num_blocks

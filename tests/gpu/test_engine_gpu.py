@@ -65,7 +65,8 @@ def test_bf16_top1_agrees_with_fp32_transformers(llama3_dir):
 
 def test_bf16_top1_on_real_weights():
     """The same on SmolLM2-135M-Instruct (real weights), teacher-forced on this repository's
-    documentation text: 4 x 1024 positions."""
+    documentation text: 4 x 1024 positions. The GPU machine reaches no registry: carry the model
+    and the ``gguf`` wheel first (``python -m benchmarks.carry_model split smollm2``, its plan's calls)."""
     from transformers import AutoTokenizer
 
     from nanovllm.fetch import fetch_model
