@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra (pip install -e '.[test]') is not installed")
 
@@ -140,13 +141,27 @@ def test_backend_is_registered_on_import_only():
     assert out.stdout.split() == ["NanoVLLM", "HFLM"]
 
 
+def test_lm_evals_default_device_runs_where_cuda_is_absent(monkeypatch):
+    """lm-eval passes device="cuda:0" on every run; without CUDA the engine picks the CPU, and a
+    device the backend cannot serve is refused by name."""
+    from nanovllm.integrations.lm_eval import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device("cuda:0") == "auto" and _device("cuda") == "auto" and _device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _device("cuda:0") == "cuda" and _device(None) == "auto"
+    with pytest.raises(ValueError, match="'cuda:1'.*'cuda', 'cuda:0' or 'cpu'"):
+        _device("cuda:1")
+
+
 @pytest.mark.slow
 def test_command_line_runs_lm_eval_with_the_backend(smollm2_dir, tasks, tmp_path):
-    """``python -m nanovllm.integrations.lm_eval`` takes lm-eval's own arguments."""
+    """``python -m nanovllm.integrations.lm_eval`` takes lm-eval's own arguments (its default
+    ``--device`` included, on this CUDA-less machine)."""
     out = subprocess.run(
         [sys.executable, "-m", "nanovllm.integrations.lm_eval", "--model", "nanovllm", "--model_args",
          f"pretrained={smollm2_dir},dtype=float32,enforce_eager=True,max_model_len=1024,num_kvcache_blocks=8",
-         "--device", "cpu", "--tasks", "nano_mc", "--include_path", str(tasks), "--limit", "4",
+         "--tasks", "nano_mc", "--include_path", str(tasks), "--limit", "4",
          "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -29,6 +29,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import (Collator, configure_pad_token, handle_stop_sequences, has_bos_prefix,
                                   maybe_truncate, normalize_gen_kwargs, postprocess_generated_text)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
@@ -65,11 +66,23 @@ def engine_arguments(model_args: dict) -> dict:
 
 
 def _device(device):
-    """lm-eval's ``device`` ("cuda", "cuda:0", "cpu", None) as the engine's."""
-    if device is None or device in ("auto", "cpu", "cuda"):
+    """lm-eval's ``device`` argument as the engine's. lm-eval passes one on every run ("cuda:0"
+    unless ``--device`` says otherwise), so, as its vLLM backend does, it does not decide where a
+    CUDA-less machine runs: "cuda" / "cuda:0" give "cuda" where torch sees a CUDA device and
+    otherwise "auto" (the CPU), with a warning; "cpu", "auto" and None are the engine's own. A
+    ``device`` in ``model_args`` takes precedence.
+
+    Raises:
+        ValueError: another device ("cuda:1", "mps", ...), naming the accepted ones.
+    """
+    if device is None or device in ("auto", "cpu"):
         return device or "auto"
-    if device == "cuda:0":
-        return "cuda"
+    if device in ("cuda", "cuda:0"):
+        if torch.cuda.is_available():
+            return "cuda"
+        logger.warning("lm-eval's device=%r: torch sees no CUDA device, so the engine runs on the CPU "
+                       "(give --device cpu to say so)", device)
+        return "auto"
     raise ValueError(f"device={device!r} is not supported by the nanovllm backend: use 'cuda', 'cuda:0' or 'cpu' "
                      f"(choose the GPU with CUDA_VISIBLE_DEVICES)")
 
