@@ -159,7 +159,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
                                                  "enable_cpu_offload=True"),
     "prefix_caching_hash_algo": _arg(_one_of("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor"),
                                      "vLLM's names (no-op: a block matches by xxh64 and by its token ids)", ""),
-    "calculate_kv_scales": _arg(_one_of(False), "False", "the KV cache has the model's dtype"),
+    "calculate_kv_scales": _arg(_one_of(False), "False", "fp8 KV scales are computed per (token, KV head) at every store, or read from the checkpoint"),
     "mamba_cache_dtype": _arg(_one_of("auto"), "'auto'", "no state-space models here"),
     "mamba_ssm_cache_dtype": _arg(_one_of("auto"), "'auto'", "no state-space models here"),
     "mamba_block_size": _arg(_empty, _NONE, "no state-space models here"),

@@ -382,8 +382,9 @@ def test_chunked_prefill_and_prefix_hits_see_the_stored_values(qwen3_dir):
 
 def test_xattn_estimates_over_the_dequantized_gpu_tier_prefix(qwen3_dir):
     """XATTN_BSA at threshold 1.0 keeps every block, so in chunks of 256 on the GPU tier (its
-    estimate and attention over the fp8 prefix gathered from the cache) it gives FULL's tokens."""
-    prompts = [random_prompt(n, seed=600 + n) for n in (700, 1000)]
+    estimate and attention over the fp8 prefix gathered from the cache) it gives FULL's tokens; a
+    100-token prompt, too short for an estimate, takes the dense path over the fp8 cache."""
+    prompts = [random_prompt(n, seed=600 + n) for n in (100, 700, 1000)]
     runs = {}
     for policy in ("FULL", "XATTN_BSA"):
         extra = dict(sparse_threshold=1.0) if policy == "XATTN_BSA" else {}

@@ -179,7 +179,7 @@ class KVCache:
         if self.host is not None:  # allocated (release may follow a failed allocate)
             self.host.free_memory()
         self.attention.release()
-        self.kv = self.host = None
+        self.kv = self.kv_scales = self.host = None
 
     # ---- steps -------------------------------------------------------------------------
     def begin_step(self, moves: list[BlockMove]):

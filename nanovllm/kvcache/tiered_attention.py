@@ -265,7 +265,7 @@ class TieredAttention:
             work.append((rows, k_ctx, v_ctx, mask))
         if all(mask is None for *_, mask in work):
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
-                                     ctx.block_tables, prefixes, window)
+                                     ctx.block_tables, prefixes, window, **self.scales(layer))
         out = torch.empty_like(q)
         for rows, k_ctx, v_ctx, mask in work:
             len_q, len_k = q[rows].shape[0], k_ctx.shape[0]

@@ -82,7 +82,7 @@ def store_kvcache_ref(
         stored, scale, saturated = quantize_ref(x[valid], cache.dtype, None if scales.static is None
                                                 else scales.static[which])
         cache[blocks, offsets] = stored
-        scales[which][blocks, offsets] = scale
+        (scales.k_scale, scales.v_scale)[which][blocks, offsets] = scale
         if scales.saturated is not None:
             scales.saturated.add_(saturated)
 
