@@ -238,8 +238,12 @@ class KVCache:
         if self._completed:
             ids = to_device(self._completed, torch.int64, self.device)
             keys = self.kv[0][:, ids]  # [L, n, block_size, Hkv, D]
-            scales = None if self.kv_scales is None else self.kv_scales[0][:, ids]
-            self.policy.on_pages_full(dequantize(keys, scales, self.storage.dtype), ids)
+            if self.kv_scales is not None:  # a layer at a time: float32 temporaries of one layer only
+                scales, stored = self.kv_scales[0][:, ids], keys
+                keys = torch.empty(stored.shape, dtype=self.storage.dtype, device=stored.device)
+                for layer in range(stored.shape[0]):
+                    keys[layer] = dequantize(stored[layer], scales[layer], self.storage.dtype)
+            self.policy.on_pages_full(keys.to(self.storage.dtype), ids)
             self._completed = []
 
     def _note_filled(self, seq: Sequence, start: int, end: int):
