@@ -229,7 +229,8 @@ def test_interpreted_decode_matches_reference(dtype, per_head, starts, num_split
     kwargs = dict(return_lse=True, context_starts=context_starts, k_scale=scales.k_scale, v_scale=scales.v_scale)
     out, lse = decode_attention(*args, num_splits=num_splits, **kwargs)
     want_out, want_lse = decode_attention_ref(*args, **kwargs)
-    torch.testing.assert_close(out, want_out, atol=2e-6, rtol=1e-5)
+    # float32 sums in another order (splits, the online softmax) differ by a few ulps of the values
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=1e-5)
 
 

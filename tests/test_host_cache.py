@@ -165,40 +165,35 @@ def test_write_backs_drop_the_coldest_free_host_entries_never_a_live_block():
 
 
 # ---------------------------------------------------------------- host memory, unit level
-@pytest.mark.parametrize("block_shape", [(256, 2, 32), (3, 5, 7)], ids=["page-multiple", "odd"])
-def test_chunk_ranges_tile_the_mapping_and_cover_their_blocks(block_shape):
+@pytest.mark.parametrize("block_shape", [(256, 2, 32), (16, 3, 8), (3, 5, 7)], ids=["page-multiple", "part-page", "odd"])
+def test_chunk_ranges_tile_the_mapping_and_each_holds_whole_blocks(block_shape):
+    """Chunks start on a page (a multiple of PAGESIZE / gcd(block_bytes, PAGESIZE) blocks), their
+    ranges tile the mapping, and every layer of every block lies inside one range of its chunk:
+    one registration per copy (a copy spanning two crashes CUDA)."""
+    import math
+
     import torch
 
-    memory = host_memory.HostMemory(3, 10, block_shape, torch.float32, torch.device("cpu"), chunk_bytes=1)
-    memory.chunk_blocks, memory.num_chunks = 3, 4
+    memory = host_memory.HostMemory(3, 40, block_shape, torch.float32, torch.device("cpu"), chunk_bytes=1)
+    assert memory.chunk_blocks == min(40, mmap.PAGESIZE // math.gcd(memory.block_bytes, mmap.PAGESIZE))
+    assert not memory.one_allocation, "on demand: copies go a layer at a time"
     ranges = [memory.chunk_ranges(c) for c in range(memory.num_chunks)]
     flat = sorted(r for chunk in ranges for r in chunk)
-    assert all(a % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for a, n in flat)
+    assert all(a % mmap.PAGESIZE == 0 for a, _ in flat)
     assert all(a + n <= b for (a, n), (b, _) in zip(flat, flat[1:])), "no overlap"
     assert sum(n for _, n in flat) == memory.capacity_bytes, "the whole mapping"
-    for c in range(memory.num_chunks):
-        covered = sorted(r for chunk in ranges[:c + 1] for r in chunk)
-        for b in range(3 * c, min(3 * c + 3, 10)):
+    for c, chunk in enumerate(ranges):
+        for b in range(c * memory.chunk_blocks, min((c + 1) * memory.chunk_blocks, 40)):
             for t in (memory.k, memory.v):
                 for layer in range(3):
                     start = t[layer, b].data_ptr()
                     end = start + memory.block_bytes
-                    assert any(a <= start and end <= a + n for a, n in _merged(covered)), (c, b, layer)
+                    assert sum(a <= start and end <= a + n for a, n in chunk) == 1, (c, b, layer)
     memory.start()
-    memory.ensure(10)
-    assert memory.pinned_blocks == 10 and memory.bytes_pinned == memory.capacity_bytes
+    memory.ensure(40)
+    assert memory.pinned_blocks == 40 and memory.bytes_pinned == memory.capacity_bytes
     memory.release()
     assert memory.bytes_pinned == 0
-
-
-def _merged(ranges):
-    out = []
-    for a, n in ranges:
-        if out and out[-1][0] + out[-1][1] == a:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((a, n))
-    return out
 
 
 def test_prefix_reuse_benchmark_on_cpu(llama3_dir, capsys):

@@ -14,15 +14,20 @@ An untouched page costs nothing, so the capacity (what admission counts) is free
 
 **Chunks.** Chunk ``c`` is host blocks ``c * chunk_blocks .. (c + 1) * chunk_blocks - 1``. It is
 pinned by registering (``cudaHostRegister``, portable and mapped), for keys and values of every
-layer, the bytes from its first block to the next chunk's first block, both ends rounded up to a
-page (:meth:`HostMemory.chunk_ranges`). The ranges of consecutive chunks tile the mapping without
-overlap, and every byte of chunk ``c``'s blocks lies in the ranges of chunks ``0..c``; chunks are
-pinned in order, so block ``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A
-range's pages are faulted in first (zeroed by the kernel: CPU work that holds no driver lock), then
-registered in slices of :data:`PIN_SLICE_BYTES` with a pause after each (:data:`PIN_DUTY`): a
-``cudaHostRegister`` call holds the driver, so a step's CUDA calls on another thread wait for it
-(measured on the H200, 16 MiB calls back to back: a step of 50 small launches took 1.27 s instead
-of 0.9 ms, docs/benchmarks.md); slices bound that wait, the pause keeps it rare.
+layer, the bytes from its first block to the next chunk's first block (the last chunk's: to the end
+of the layer's page-rounded stride), one call per range (:meth:`HostMemory.chunk_ranges`).
+``chunk_blocks`` is a multiple of ``PAGESIZE / gcd(block_bytes, PAGESIZE)``, so every chunk starts
+on a page and its ranges tile the mapping without overlap; chunks are pinned in order, so block
+``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A range's pages are faulted in first
+(zeroed by the kernel: CPU work that holds no driver lock), then registered, with a pause after
+each call (:data:`PIN_DUTY`): a ``cudaHostRegister`` call holds the driver, so a step's CUDA calls
+on another thread wait for it; the pause keeps that rare.
+
+**One registration per copy.** A ``cudaMemcpy2DAsync`` (or ``cudaMemcpyAsync``) whose host region
+spans two registrations crashes the process (SIGSEGV inside the driver; one region inside one
+registration copies correctly while another thread registers more). Each layer's block lies in one
+registration, but one block's layers lie in as many, so on-demand memory is copied a layer at a
+time: :attr:`HostMemory.one_allocation` tells the copies whether one may span layers.
 
 **When.** Pinning starts with :meth:`HostMemory.start` (the engine calls it once the CUDA graphs
 are captured: registering memory during a capture would break it) and stays one chunk ahead of
@@ -51,9 +56,6 @@ logger = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 1 << 30
 """Bytes per chunk (keys and values of every layer), rounded to whole blocks, at least one."""
-PIN_SLICE_BYTES = 4 << 20
-"""Bytes per ``cudaHostRegister`` call (a page multiple): the longest the pinning thread holds the
-driver, which other threads' CUDA calls wait for."""
 PIN_DUTY = 0.25
 """Share of the time the pinning thread spends registering: after a call of ``t`` seconds it
 sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it."""
@@ -99,9 +101,10 @@ class HostMemory:
     num_blocks, *block_shape]`` of ``dtype`` on the CPU.
 
     Args: num_layers; num_blocks (>= 1); block_shape (``(block_size, Hkv, D)``); dtype; device
-    (CUDA: pinned at once unless ``on_demand``; CPU: the on-demand bookkeeping only); chunk_bytes
-    (default :data:`PIN_CHUNK_BYTES`); on_demand (pin chunk by chunk; default: on CPU only, since
-    on CUDA the first copy into a registered mapping crashed, docs/kvcache.md).
+    (CUDA: registered chunk by chunk; CPU: the same bookkeeping, nothing registered); chunk_bytes
+    (default :data:`PIN_CHUNK_BYTES`, rounded to whole blocks starting on a page); on_demand (pin
+    chunk by chunk; default: yes, unless the device cannot read registered memory at its host
+    address (:func:`registered_pointers_agree`), then pinned at once; False: pinned at once).
 
     Raises:
         RuntimeError: the memory cannot be mapped or (the eager fallback) pinned, with the bytes.
@@ -117,7 +120,9 @@ class HostMemory:
         self.block_bytes = block_elems * dtype.itemsize
         """Bytes of one layer of one block, keys or values."""
         chunk_bytes = PIN_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-        self.chunk_blocks = max(1, min(num_blocks, chunk_bytes // (2 * num_layers * self.block_bytes)))
+        page_blocks = mmap.PAGESIZE // math.gcd(self.block_bytes, mmap.PAGESIZE)  # blocks per page-aligned start
+        chunk_blocks = max(1, chunk_bytes // (2 * num_layers * self.block_bytes))
+        self.chunk_blocks = min(num_blocks, _round_up(chunk_blocks, page_blocks))
         self.num_chunks = -(-num_blocks // self.chunk_blocks)
         self.layer_stride = _round_up(num_blocks * self.block_bytes, mmap.PAGESIZE)
         self.capacity_bytes = 2 * num_layers * self.layer_stride
@@ -128,7 +133,10 @@ class HostMemory:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.wait_s, self.num_waits = 0.0, 0
-        self.eager = self.cuda if on_demand is None else not on_demand
+        if on_demand is None:
+            on_demand = not self.cuda or registered_pointers_agree()
+        self.eager = not on_demand
+        """Pinned at once (one ``cudaHostAlloc`` each for keys and values), not chunk by chunk."""
         shape = (num_layers, num_blocks, *block_shape)
         if self.eager:
             logger.info("the host tier's %.2f GiB are pinned at once (cudaHostAlloc)", self.capacity_bytes / 2**30)
@@ -162,40 +170,38 @@ class HostMemory:
         return min(self.num_blocks, self._pinned * self.chunk_blocks)
 
     @property
+    def one_allocation(self) -> bool:
+        """Whether keys (and values) are one pinned allocation, so that one copy may span
+        layers; False on demand: each layer's range of a chunk is its own registration, and a
+        copy must stay inside one (module doc)."""
+        return self.eager
+
+    @property
     def bytes_pinned(self) -> int:
         """Bytes page-locked now (on CPU: that would be)."""
         return self.capacity_bytes if self.eager else sum(size for _, size in self._ranges)
 
     def chunk_ranges(self, chunk: int) -> list[tuple[int, int]]:
         """``(address, bytes)`` of the ranges that pin ``chunk`` (module doc), keys then values,
-        layer by layer; a range that rounds to nothing is left out."""
+        layer by layer; each starts on a page."""
         first, last = chunk * self.chunk_blocks, min((chunk + 1) * self.chunk_blocks, self.num_blocks)
         ranges = []
         for layer in range(2 * self.num_layers):
             start = self.base + layer * self.layer_stride
             end = start + (self.layer_stride if last == self.num_blocks else last * self.block_bytes)
-            lo, hi = (_round_up(a - self.base, mmap.PAGESIZE) + self.base
-                      for a in (start + first * self.block_bytes, end))
-            if hi > lo:
-                ranges.append((lo, hi - lo))
+            ranges.append((start + first * self.block_bytes, end - start - first * self.block_bytes))
         return ranges
 
     def _pin(self, address: int, size: int):
-        """Fault the range's pages in (CPU work, no driver call), then register it slice by slice,
-        pausing after each slice (:data:`PIN_SLICE_BYTES`, :data:`PIN_DUTY`)."""
+        """Fault the range's pages in (CPU work, no driver call), then register it in one call
+        (a copy must not span two registrations, module doc) and pause (:data:`PIN_DUTY`)."""
         if self.cuda:
             offset = address - self.base
             torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=offset).fill_(0)
-        slice_bytes = max(mmap.PAGESIZE, PIN_SLICE_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
-        for start in range(address, address + size, slice_bytes):
-            length = min(slice_bytes, address + size - start)
-            if self.cuda:
-                t = time.perf_counter()
-                _cudart_call("cudaHostRegister", start, length, _REGISTER_FLAGS)
-                time.sleep((time.perf_counter() - t) * (1 / PIN_DUTY - 1))
-            self._ranges.append((start, length))
-            if self._stop:
-                return
+            t = time.perf_counter()
+            _cudart_call("cudaHostRegister", address, size, _REGISTER_FLAGS)
+            time.sleep((time.perf_counter() - t) * (1 / PIN_DUTY - 1))
+        self._ranges.append((address, size))
 
     # ---- growth ------------------------------------------------------------------------
     def start(self):

@@ -22,8 +22,9 @@ Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops
     compute (the model's current stream): record step_start -> wait moves_done -> forward ...
                                           wait slot_ready[s] -> attend slot s -> record slot_free[s]
     spill stream:     wait step_start -> each move of the step, in order, all layers of a block per
-                      copy (cudaMemcpy2DAsync, strided by layer on both sides; D2H for spills and
-                      write-backs, H2D for load-backs) -> record moves_done
+                      copy (cudaMemcpy2DAsync, strided by layer on both sides; a layer per copy
+                      where host memory is pinned on demand; D2H for spills and write-backs, H2D
+                      for load-backs) -> record moves_done
     transfer stream s (one per slot): wait slot_free[s], moves_done -> H2D of one layer of one
                       block into slot s -> record slot_ready[s] (a serial plan puts every load
                       on stream 0, in order)
@@ -132,20 +133,25 @@ class HostTier:
         self.memory.ensure(1 + max(m.host for m in moves))
         self.step_start.record(self._compute_stream())
         self.spill_stream.wait_event(self.step_start)
-        pairs = [(k_gpu, self.k_host), (v_gpu, self.v_host)]
-        if gpu_scales is not None:
-            pairs += [(gpu_scales[0], self.k_host_scale), (gpu_scales[1], self.v_host_scale)]
+        # (first layer, layers) per copy: all at once where the host side is one allocation, else a
+        # layer at a time (one copy must stay inside one registration: host_memory.py)
+        all_layers = [(0, self.num_layers)]
+        runs = all_layers if self.memory.one_allocation else [(layer, 1) for layer in range(self.num_layers)]
+        pairs = [(k_gpu, self.k_host, runs), (v_gpu, self.v_host, runs)]
+        if gpu_scales is not None:  # the scales are pinned at once
+            pairs += [(gpu_scales[0], self.k_host_scale, all_layers), (gpu_scales[1], self.v_host_scale, all_layers)]
         stream = self.spill_stream if self.cuda else None
         for move in moves:
-            for gpu, host in pairs:
+            for gpu, host, layer_runs in pairs:
                 gpu_pitch, host_pitch = gpu.stride(0) * gpu.element_size(), host.stride(0) * host.element_size()
                 width = host[0, 0].numel() * host.element_size()
-                if move.to_host:
-                    memcpy_2d_async(host[0, move.host], gpu[0, move.gpu], host_pitch, gpu_pitch, width,
-                                    self.num_layers, "d2h" if self.cuda else "h2h", stream)
-                else:
-                    memcpy_2d_async(gpu[0, move.gpu], host[0, move.host], gpu_pitch, host_pitch, width,
-                                    self.num_layers, "h2d" if self.cuda else "h2h", stream)
+                for first, count in layer_runs:
+                    if move.to_host:
+                        memcpy_2d_async(host[first, move.host], gpu[first, move.gpu], host_pitch, gpu_pitch, width,
+                                        count, "d2h" if self.cuda else "h2h", stream)
+                    else:
+                        memcpy_2d_async(gpu[first, move.gpu], host[first, move.host], gpu_pitch, host_pitch, width,
+                                        count, "h2d" if self.cuda else "h2h", stream)
         self.spill_done.record(self.spill_stream)
         self._compute_stream().wait_event(self.spill_done)
         to_host = sum(m.to_host for m in moves)

@@ -54,7 +54,9 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, static_scale: float | None
     limit = fp8_max(dtype)
     x = x.to(SCALE_DTYPE)
     if static_scale is None:
-        scale = (x.abs().amax(-1) / limit).clamp_(min=MIN_SCALE)
+        # divided by a tensor: CUDA torch turns a division by a Python float into a product with
+        # its reciprocal, which is not the IEEE quotient the store kernel computes
+        scale = (x.abs().amax(-1) / torch.tensor(limit, dtype=SCALE_DTYPE, device=x.device)).clamp_(min=MIN_SCALE)
     else:
         scale = torch.full(x.shape[:-1], static_scale, dtype=SCALE_DTYPE, device=x.device)
     scaled = x / scale[..., None]

@@ -101,7 +101,7 @@ def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, SPAC
     # times the step's reciprocal, not divided by the step: an exact power-of-two product, where
     # the GPU lowers a float32 ``/`` to an approximate division
     subnormal = ((tl.abs(x) * (1.0 / SPACING) + 12582912.0) - 12582912.0) * SPACING
-    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit kept (-0.0 included)
+    subnormal = subnormal * tl.where(bits < 0, -1.0, 1.0)  # the sign kept, -0.0 included (a negation may compile to 0 - x)
     return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal)
 
 
