@@ -73,7 +73,7 @@ def test_bf16_top1_on_real_weights():
 
     model_dir = fetch_model()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    docs = sorted(os.path.join(root, "docs", f) for f in os.listdir(os.path.join(root, "docs")))
+    docs = sorted(os.path.join(root, "docs", f) for f in os.listdir(os.path.join(root, "docs")) if f.endswith(".md"))
     text = "\n\n".join(open(path).read() for path in docs + [os.path.join(root, "README.md")])
     ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
     assert len(ids) >= 4096, len(ids)
