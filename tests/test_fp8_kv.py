@@ -73,21 +73,50 @@ def test_static_scales_saturate_and_count_what_they_clamp():
     assert torch.equal(scale, torch.ones(1, 1))
 
 
+def _assert_read_back(stored, key, value, caches, scales, slots):
+    """``stored`` (the store's ``return_stored``) holds each stored row as the cache holds it
+    (dequantized with the scales written beside it), and every row, a padding one (slot -1)
+    included, as quantized and dequantized by the reference."""
+    valid = slots >= 0
+    block, offset = slots[valid] // caches[0].shape[1], slots[valid] % caches[0].shape[1]
+    for which, (x, cache, scale, back) in enumerate(zip((key, value), caches, scales[:2], stored)):
+        assert back.dtype == x.dtype and back.shape == x.shape
+        assert torch.equal(back[valid], dequantize(cache[block, offset], scale[block, offset], x.dtype))
+        static = None if scales.static is None else scales.static[which]
+        assert torch.equal(back, dequantize(*quantize_ref(x, cache.dtype, static)[:2], x.dtype))
+
+
 @pytest.mark.parametrize("slots", [[0, 5, 17, 33, 63, 2], [0, 5, -1, 33, 63, 2]], ids=["dense", "padded"])
 @pytest.mark.parametrize("static", [None, (0.002, 0.005)], ids=["dynamic", "static"])
 def test_store_cpu_equals_reference(slots, static):
     g = torch.Generator().manual_seed(1)
     key, value = (torch.randn(len(slots), HEADS_KV, DIM, generator=g) for _ in range(2))
+    slots = torch.tensor(slots)
     got = []
     for store in (store_kvcache, store_kvcache_ref):
-        caches = [torch.zeros(4, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
-        scales = KVScales(torch.zeros(4, BLOCK, HEADS_KV), torch.zeros(4, BLOCK, HEADS_KV), static,
-                          torch.zeros(1, dtype=torch.int64))
-        store(key, value, *caches, torch.tensor(slots), scales)
-        got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated))
-    for ours, ref in zip(*got):
-        assert torch.equal(ours, ref)
+        for return_stored in (False, True):
+            caches = [torch.zeros(4, BLOCK, HEADS_KV, DIM, dtype=torch.float8_e4m3fn) for _ in range(2)]
+            scales = KVScales(torch.zeros(4, BLOCK, HEADS_KV), torch.zeros(4, BLOCK, HEADS_KV), static,
+                              torch.zeros(1, dtype=torch.int64))
+            stored = store(key, value, *caches, slots, scales, return_stored=return_stored)
+            assert (stored is None) != return_stored
+            got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated))
+        _assert_read_back(stored, key, value, caches, scales, slots)
+    for ours in got[1:]:
+        for a, b in zip(ours, got[0]):
+            assert torch.equal(a, b)
     assert (got[0][4].item() > 0) == (static is not None), "tiny static scales clamp; dynamic ones never do"
+
+
+@pytest.mark.parametrize("slots", [[0, 5, 17], [0, -1, 17]], ids=["dense", "padded"])
+def test_store_of_another_cache_returns_the_cast_rows(slots):
+    key, value = torch.randn(3, HEADS_KV, DIM), torch.randn(3, HEADS_KV, DIM)
+    for store in (store_kvcache, store_kvcache_ref):
+        caches = [torch.zeros(2, BLOCK, HEADS_KV, DIM, dtype=torch.bfloat16) for _ in range(2)]
+        stored = store(key, value, *caches, torch.tensor(slots), return_stored=True)
+        for x, back in zip((key, value), stored):
+            assert back.dtype == torch.float32 and torch.equal(back, x.to(torch.bfloat16).float())
+            assert not torch.equal(back, x), "rounded to bf16"
 
 
 def test_scales_are_checked_against_the_cache_dtype():
@@ -176,13 +205,14 @@ def test_prefill_over_a_cached_fp8_prefix_reads_it_dequantized(window):
 # ---- the Triton kernels, under the interpreter ---------------------------------------------
 
 def test_kernels_under_the_interpreter():
-    run_interpreted_tests(__file__, min_passed=20)
+    run_interpreted_tests(__file__, min_passed=28)
 
 
 @interpreted_only
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("static", [None, (1e-5, 2e-5)], ids=["dynamic", "static"])  # static: beyond e5m2's range too
-def test_interpreted_store_equals_reference_bit_for_bit(dtype, static):
+@pytest.mark.parametrize("return_stored", [False, True], ids=["store", "return-stored"])
+def test_interpreted_store_equals_reference_bit_for_bit(dtype, static, return_stored):
     g = torch.Generator().manual_seed(2)
     slots = torch.tensor([0, 5, -1, 33, 63, 2, 40])
     key, value = (torch.randn(7, 3, 40, generator=g) * 4 for _ in range(2))  # 3 heads, head_dim 40: padded tiles
@@ -190,11 +220,28 @@ def test_interpreted_store_equals_reference_bit_for_bit(dtype, static):
     for store in (store_kvcache, store_kvcache_ref):
         caches = [torch.zeros(4, BLOCK, 3, 40, dtype=dtype) for _ in range(2)]
         scales = KVScales(torch.zeros(4, BLOCK, 3), torch.zeros(4, BLOCK, 3), static, torch.zeros(1, dtype=torch.int64))
-        store(key, value, *caches, slots, scales)
-        got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated))
+        stored = store(key, value, *caches, slots, scales, return_stored=return_stored)
+        got.append((*(_bits(c) for c in caches), *scales[:2], scales.saturated, *(stored or ())))
+    assert len(got[0]) == len(got[1]) == (7 if return_stored else 5)
     for ours, ref in zip(*got):
         assert torch.equal(ours, ref)
     assert (got[0][4].item() > 0) == (static is not None)
+    if return_stored:
+        _assert_read_back(got[0][5:], key, value, caches, scales, slots)
+
+
+@interpreted_only
+def test_interpreted_store_of_another_cache_returns_the_rows_it_wrote():
+    """The stored rows read back; the interpreter's bf16 cast need not round as torch's does, so
+    the rows are compared with the cache, and with the input to bf16's resolution."""
+    key, value = torch.randn(3, HEADS_KV, DIM), torch.randn(3, HEADS_KV, DIM)
+    caches = [torch.zeros(2, BLOCK, HEADS_KV, DIM, dtype=torch.bfloat16) for _ in range(2)]
+    stored = store_kvcache(key, value, *caches, torch.tensor([0, -1, 17]), return_stored=True)
+    for x, cache, back in zip((key, value), caches, stored):
+        assert back.dtype == torch.float32 and not torch.equal(back, x), "rounded to bf16"
+        assert torch.equal(back[0], cache[0, 0].float()) and torch.equal(back[2], cache[1, 1].float())
+        assert ((back - x).abs() <= x.abs() * 2.0 ** -7).all()
+        assert not cache[0, 1:].any() and not cache[1, 2:].any(), "slot -1 is not written"
 
 
 @interpreted_only

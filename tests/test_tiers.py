@@ -9,6 +9,8 @@ its block, so a tier split gives the GPU-only fp8 engine's tokens; its logits ag
 :data:`FP8_LOGIT_TOL`). Unit tests below check the block manager's placement and the attention
 pipeline against the references (``test_fp8_kv.py`` the fp8 pipeline's, exactly).
 """
+import sys
+
 import pytest
 import torch
 
@@ -398,13 +400,19 @@ def test_decode_over_both_tiers_equals_the_reference(kv):
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_prefill_gathers_a_prefix_from_both_tiers(kv):
+def test_prefill_gathers_a_prefix_from_both_tiers(kv, monkeypatch):
     """The prefix from both tiers (fp8: dequantized with its scales); the chunk stored in the GPU tier
-    first, and attended to as stored (fp8: quantized, then dequantized)."""
+    first, and attended to as stored (fp8: quantized once, by the store, and read back dequantized)."""
     from nanovllm.ops import prefill_attention_ref
+    from nanovllm.ops.kv_quant import quantize_ref
     from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
 
     attention, host = _pipeline(kv=kv)
+    quantized = []  # rows of each quantization, by every module of the package
+    for module in [m for name, m in sys.modules.items() if name.startswith("nanovllm")]:
+        if getattr(module, "quantize_ref", None) is quantize_ref:
+            monkeypatch.setattr(module, "quantize_ref",
+                                lambda x, *args: quantized.append(x.shape[0]) or quantize_ref(x, *args))
     gpus, hosts, prefix, new = [0, -1, 3], [-1, 2, -1], 2 * BLOCK + 30, 50  # chunk continues block 2
     q, k, v = torch.randn(new, HEADS_Q, DIM), torch.randn(new, HEADS_KV, DIM), torch.randn(new, HEADS_KV, DIM)
     slots = torch.arange(prefix, prefix + new) % BLOCK + 3 * BLOCK
@@ -424,4 +432,5 @@ def test_prefill_gathers_a_prefix_from_both_tiers(kv):
     ref = prefill_attention_ref(q, k_all[prefix:], v_all[prefix:], [new], [prefix + new], DIM ** -0.5,
                                 prefixes={0: (k_all[:prefix], v_all[:prefix])})
     assert (out - ref).abs().max() <= 1e-5
+    assert quantized == ([] if kv == "auto" else [new, new]), "the chunk's keys and values: quantized once"
     assert attention.stats.to_dict(True, True)["prefill"]["loaded_host_bytes"] == host.layer_block_bytes

@@ -43,7 +43,7 @@ from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, prefill_attention,
                           store_kvcache)
-from nanovllm.ops.kv_quant import dequantize, quantize_ref
+from nanovllm.ops.kv_quant import dequantize
 from nanovllm.ops.store_kv import KVScales
 from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
 from nanovllm.sparse import SparsePolicy, SparseStats
@@ -187,9 +187,13 @@ class TieredAttention:
         else:
             if rotate is not None:
                 q, k = rotate(q, k)
-            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping, store_scales)
-            if store_scales is not None and ctx.is_prefill:
-                k, v = self._as_stored(k, v, store_scales)
+            # an fp8 prefill chunk attends to its own tokens as stored (quantized once, by the
+            # store), as every later read sees them: the output does not depend on how a prompt is
+            # chunked or what the prefix cache holds (a recomputed cached token, slot -1, included)
+            as_stored = store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping, store_scales,
+                                      return_stored=store_scales is not None and ctx.is_prefill)
+            if as_stored is not None:
+                k, v = as_stored
         if ctx.is_prefill:
             return self._prefill(layer, q, k, v, ctx, k_cache, v_cache)
         if ctx.paged_only:
@@ -200,16 +204,6 @@ class TieredAttention:
             return decode_attention(q, k_cache, v_cache, tables, lens, self.scale, context_starts=starts,
                                     **self.scales(layer))
         return self._tiered_decode(layer, q, ctx, k_cache, v_cache)
-
-    def _as_stored(self, k: torch.Tensor, v: torch.Tensor, scales: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values ``[N, Hkv, D]`` as an fp8 cache holds them (quantized as the store
-        quantizes, :func:`~nanovllm.ops.kv_quant.quantize_ref`, then dequantized, in k's dtype): a
-        prefill chunk attends to its own tokens as every later read will, so the output does not
-        depend on how a prompt is chunked or what the prefix cache holds (a recomputed cached
-        token, never stored again, included)."""
-        static = scales.static or (None, None)
-        return tuple(dequantize(*quantize_ref(x, cache.dtype, s)[:2], x.dtype)
-                     for x, cache, s in ((k, self.k_cache, static[0]), (v, self.v_cache, static[1])))
 
     # ---- prefill -----------------------------------------------------------------------
     def _prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache) -> torch.Tensor:

@@ -69,22 +69,34 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     scales: KVScales | None = None,
-) -> None:
-    """Torch reference of :func:`store_kvcache` (same arguments); indexes with a host sync."""
+    return_stored: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Torch reference of :func:`store_kvcache` (same arguments, same result); indexes with a host
+    sync. Each row is quantized once: the stored rows for the store (and the read-back), a padding
+    row (slot -1) for the read-back only."""
     check_store_args(key, value, k_cache, v_cache, slot_mapping, scales)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    stored_rows = []
     for which, (x, cache) in enumerate(((key, k_cache), (value, v_cache))):
         if scales is None:
             cache[blocks, offsets] = x[valid].to(cache.dtype)
+            if return_stored:
+                stored_rows.append(x.to(cache.dtype).to(x.dtype))
             continue
-        stored, scale, saturated = quantize_ref(x[valid], cache.dtype, None if scales.static is None
-                                                else scales.static[which])
+        static = None if scales.static is None else scales.static[which]
+        stored, scale, saturated = quantize_ref(x[valid], cache.dtype, static)
         cache[blocks, offsets] = stored
         (scales.k_scale, scales.v_scale)[which][blocks, offsets] = scale
         if scales.saturated is not None:
             scales.saturated.add_(saturated)
+        if return_stored:
+            back = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            back[valid] = dequantize(stored, scale, x.dtype)
+            back[~valid] = dequantize(*quantize_ref(x[~valid], cache.dtype, static)[:2], x.dtype)
+            stored_rows.append(back)
+    return tuple(stored_rows) if return_stored else None
 
 
 @triton.jit
@@ -109,9 +121,10 @@ def _round_to_fp8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, SPAC
 def _quantize(x, mask, scale_ptr, static_scale, saturated_ptr, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr,
               FP8_MANTISSA: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SPACING: tl.constexpr,
               MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
-    """``x`` ``[BLOCK_H, BLOCK_D]`` (zero where masked) scaled into the fp8 range, per head row,
-    and rounded to its grid; the row scales stored at ``scale_ptr`` ``[BLOCK_H]`` (rows of
-    ``mask``); clamped elements counted into ``saturated_ptr`` (static scales)."""
+    """``x`` float ``[BLOCK_H, BLOCK_D]`` (zero outside head_dim) scaled into the fp8 range, per head
+    row, and rounded to its grid: ``(x / scale on the grid, scale [BLOCK_H])``, both float32; the
+    scales of the rows of ``mask`` (the stored elements) stored at ``scale_ptr`` ``[BLOCK_H]``, and
+    their clamped elements counted into ``saturated_ptr`` (static scales)."""
     x = x.to(tl.float32)
     rows = tl.max(mask.to(tl.int32), 1) > 0
     if STATIC:
@@ -122,24 +135,28 @@ def _quantize(x, mask, scale_ptr, static_scale, saturated_ptr, BLOCK_H: tl.const
     if STATIC:
         tl.atomic_add(saturated_ptr, tl.sum(tl.sum(((tl.abs(x) > FP8_MAX) & mask).to(tl.int64), 1), 0))
     tl.store(scale_ptr, scale, mask=rows)
-    return _round_to_fp8_grid(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8_MANTISSA, FP8_MIN_NORMAL, FP8_SPACING)
+    x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8_MANTISSA, FP8_MIN_NORMAL, FP8_SPACING)
+    return x, scale
 
 
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, saturated_ptr,
-    static_k_scale, static_v_scale,
+    k_out_ptr, v_out_ptr, static_k_scale, static_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_ksb, stride_kss, stride_vsb, stride_vss,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, STATIC: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SPACING: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
+    MIN_SCALE: tl.constexpr, RETURN_STORED: tl.constexpr,
 ):
     """One token: its keys and values of every KV head into its slot; ``QUANTIZE`` (an fp8
     cache): each head row scaled into the fp8 range first (``_quantize``), its scale stored beside
-    the slot (scales ``[num_blocks, block_size, Hkv]``, head stride 1)."""
+    the slot (scales ``[num_blocks, block_size, Hkv]``, head stride 1). ``RETURN_STORED``: the
+    token's rows as stored, read back in the outputs' dtype (dequantized), to ``k_out_ptr`` and
+    ``v_out_ptr`` (contiguous ``[num_tokens, Hkv, D]``), a padding token's (slot -1) as it would
+    be stored."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = tl.maximum(slot, 0) // BLOCK_SIZE
@@ -147,21 +164,37 @@ def _store_kv_kernel(
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot  # a tensor mask, not a scalar
-    mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (slots >= 0)
-    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    inside = (h < NUM_HEADS) & (d < HEAD_DIM)
+    mask = inside & (slots >= 0)
+    if RETURN_STORED:
+        load_mask = inside
+    else:
+        load_mask = mask
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=load_mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=load_mask, other=0.0)
     if QUANTIZE:
         heads = tl.arange(0, BLOCK_H)
-        k = _quantize(k, mask, k_scale_ptr + block * stride_ksb + offset * stride_kss + heads, static_k_scale,
-                      saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
-                      FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
-        v = _quantize(v, mask, v_scale_ptr + block * stride_vsb + offset * stride_vss + heads, static_v_scale,
-                      saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
-                      FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
+        k, k_scale = _quantize(k, mask, k_scale_ptr + block * stride_ksb + offset * stride_kss + heads,
+                               static_k_scale, saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
+                               FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
+        v, v_scale = _quantize(v, mask, v_scale_ptr + block * stride_vsb + offset * stride_vss + heads,
+                               static_v_scale, saturated_ptr, BLOCK_H, FP8_MAX, FP8_MANTISSA,
+                               FP8_MIN_NORMAL, FP8_SPACING, MIN_SCALE, STATIC)
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
+    if RETURN_STORED:
+        k_back = k.to(tl.float32)
+        v_back = v.to(tl.float32)
+        if QUANTIZE:
+            k_back = k_back * k_scale[:, None]
+            v_back = v_back * v_scale[:, None]
+        out = token * NUM_HEADS * HEAD_DIM + h * HEAD_DIM + d
+        tl.store(k_out_ptr + out, k_back.to(k_out_ptr.dtype.element_ty), mask=inside)
+        tl.store(v_out_ptr + out, v_back.to(v_out_ptr.dtype.element_ty), mask=inside)
 
 
 def store_kvcache(
@@ -171,7 +204,8 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     scales: KVScales | None = None,
-) -> None:
+    return_stored: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Write each token's key and value into its slot of the paged KV cache, in place.
 
     Args:
@@ -184,6 +218,15 @@ def store_kvcache(
         slot_mapping: int32/int64 ``[num_tokens]``; token t goes to flat slot
             ``block_id * block_size + offset``; ``-1`` skips the token (padding).
         scales: :class:`KVScales`, exactly when the caches are fp8.
+        return_stored: also return what was written, read back.
+
+    Returns:
+        None; with ``return_stored``, ``(key, value)`` as the cache holds them, read back in
+        ``key``'s and ``value``'s dtypes, ``[num_tokens, num_kv_heads, head_dim]`` (``key`` and
+        ``value`` themselves where no cast happens): an fp8 cache's rows dequantized with the
+        scales just written (``kv_quant.dequantize``), another cache's cast to its dtype and
+        back; a padding token's rows (slot -1) as they would be stored. Each row is quantized
+        once, for the cache and the returned rows alike.
 
     Raises:
         ValueError: mismatched shapes, a non-contiguous cache head_dim, head_dim outside 1..256,
@@ -200,12 +243,16 @@ def store_kvcache(
     check_store_args(key, value, k_cache, v_cache, slot_mapping, scales)
     if not use_triton(key):
         padded = _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-        if padded or not (key.device.type == "cpu" and _store_cpu(key, value, k_cache, v_cache, slot_mapping, scales)):
-            store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, scales)
-        return
+        stored = None if padded or key.device.type != "cpu" else \
+            _store_cpu(key, value, k_cache, v_cache, slot_mapping, scales, return_stored)
+        if stored is None:
+            return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, scales, return_stored)
+        return stored if return_stored else None
     num_tokens, num_heads, head_dim = key.shape
+    out = (torch.empty(key.shape, dtype=key.dtype, device=key.device),
+           torch.empty(value.shape, dtype=value.dtype, device=value.device)) if return_stored else None
     if num_tokens == 0:
-        return
+        return out
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     quantize = scales is not None
@@ -216,8 +263,9 @@ def store_kvcache(
     saturated = scales.saturated if static and scales.saturated is not None else slot_mapping  # not written
     if static and scales.saturated is None:
         raise ValueError("static scales need a saturated counter (int64 [1])")
+    k_out, v_out = out if return_stored else (key, value)  # not written without return_stored
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping.contiguous(), k_scale, v_scale, saturated,
+        key, value, k_cache, v_cache, slot_mapping.contiguous(), k_scale, v_scale, saturated, k_out, v_out,
         scales.static[0] if static else 1.0, scales.static[1] if static else 1.0,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -229,7 +277,9 @@ def store_kvcache(
         FP8_MANTISSA=fp8_mantissa_bits(k_cache.dtype) if quantize else 0,
         FP8_MIN_NORMAL=torch.finfo(k_cache.dtype).smallest_normal if quantize else 0.0,
         FP8_SPACING=fp8_subnormal_spacing(k_cache.dtype) if quantize else 1.0, MIN_SCALE=MIN_SCALE,
+        RETURN_STORED=return_stored,
     )
+    return out
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> bool:
@@ -254,19 +304,26 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.view(-1, *cache.shape[2:])
 
 
-def _store_cpu(key, value, k_cache, v_cache, slot_mapping, scales: KVScales | None) -> bool:
+def _store_cpu(key, value, k_cache, v_cache, slot_mapping, scales: KVScales | None,
+               return_stored: bool) -> tuple[torch.Tensor, ...] | None:
     """CPU :func:`store_kvcache` of slots without padding: one ``index_copy_`` per cache (a few
     ops instead of the reference's masked indexing; fp8 rows quantized by
-    :func:`~nanovllm.ops.kv_quant.quantize_ref` and copied as bytes, their scales beside them). False,
-    with nothing written, when the caches' or the scales' block and offset dimensions do not merge."""
+    :func:`~nanovllm.ops.kv_quant.quantize_ref` and copied as bytes, their scales beside them).
+    Returns the rows as stored, read back (:func:`store_kvcache`'s ``return_stored``; empty
+    without it), or None, with nothing written, when the caches' or the scales' block and offset
+    dimensions do not merge."""
     rows = [_slot_rows(k_cache), _slot_rows(v_cache)]
     scale_rows = [None, None] if scales is None else [_slot_rows(scales.k_scale), _slot_rows(scales.v_scale)]
     if any(r is None for r in rows) or (scales is not None and any(r is None for r in scale_rows)):
-        return False
+        return None
     slots = slot_mapping.long()
+    stored_rows = []
     for which, (dst, src, dst_scale) in enumerate(zip(rows, (key, value), scale_rows)):
         if dst_scale is None:
-            dst.index_copy_(0, slots, src.to(dst.dtype))
+            stored = src.to(dst.dtype)
+            dst.index_copy_(0, slots, stored)
+            if return_stored:
+                stored_rows.append(stored.to(src.dtype))
             continue
         stored, scale, saturated = quantize_ref(src, dst.dtype, None if scales.static is None
                                                 else scales.static[which])
@@ -274,7 +331,9 @@ def _store_cpu(key, value, k_cache, v_cache, slot_mapping, scales: KVScales | No
         dst_scale.index_copy_(0, slots, scale)
         if scales.saturated is not None:
             scales.saturated.add_(saturated)
-    return True
+        if return_stored:
+            stored_rows.append(dequantize(stored, scale, src.dtype))
+    return tuple(stored_rows)
 
 
 def gather_kvcache(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,

@@ -49,8 +49,11 @@ def _fp8_cache(contexts, heads_kv, dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("static", [None, (0.01, 0.02)], ids=["dynamic", "static"])
 @pytest.mark.parametrize("wide", [False, True], ids=["randn", "wide-range"])
-def test_store_kernel_equals_reference(dtype, static, wide):
-    """Bit for bit, subnormals and signed zeros included (``wide``: elements down to 1e-12 of a row's amax)."""
+@pytest.mark.parametrize("return_stored", [False, True], ids=["store", "return-stored"])
+def test_store_kernel_equals_reference(dtype, static, wide, return_stored):
+    """Bit for bit, subnormals and signed zeros included (``wide``: elements down to 1e-12 of a
+    row's amax); with ``return_stored`` the rows read back too (bf16, padding rows included), and
+    the stored ones are the cache's rows dequantized."""
     g = torch.Generator(DEVICE).manual_seed(1)
     n, heads, dim = 3000, 8, 128
     slots = torch.randperm(40 * BLOCK_SIZE, device=DEVICE, generator=g)[:n]
@@ -63,11 +66,18 @@ def test_store_kernel_equals_reference(dtype, static, wide):
         caches = [torch.zeros(40, BLOCK_SIZE, heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
         scales = KVScales(*(torch.zeros(40, BLOCK_SIZE, heads, device=DEVICE) for _ in range(2)), static,
                           torch.zeros(1, dtype=torch.int64, device=DEVICE))
-        store(key, value, *caches, slots, scales)
-        got.append((*(c.view(torch.uint8) for c in caches), *scales[:2], scales.saturated))
+        stored = store(key, value, *caches, slots, scales, return_stored=return_stored)
+        got.append((*(c.view(torch.uint8) for c in caches), *scales[:2], scales.saturated, *(stored or ())))
+    assert len(got[0]) == len(got[1]) == (7 if return_stored else 5)
     for ours, ref in zip(*got):
         assert torch.equal(ours, ref), "IEEE division and explicit rounding: the reference's bits"
     assert (got[0][4].item() > 0) == (static is not None and dtype == torch.float8_e4m3fn)
+    if return_stored:
+        valid = slots >= 0
+        block, offset = slots[valid] // BLOCK_SIZE, slots[valid] % BLOCK_SIZE
+        for cache, scale, back in zip(caches, scales[:2], got[0][5:]):
+            assert back.dtype == torch.bfloat16
+            assert torch.equal(back[valid], dequantize(cache[block, offset], scale[block, offset], torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", FP8)
