@@ -12,7 +12,7 @@ from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 from nanovllm.sparse import choosing_policy_names, policy_class, registered_policies
 from nanovllm.utils.checks import check_bool, check_range, is_integer
-from nanovllm.utils.dtypes import resolve_kv_cache_dtype, resolve_model_dtype
+from nanovllm.utils.dtypes import check_kv_cache_device, resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,9 @@ class Config:
         kv_cache_dtype: what the KV cache stores (vLLM's names): "auto" (the model's ``dtype``),
             "fp8" (= "fp8_e4m3", torch.float8_e4m3fn) or "fp8_e5m2" (torch.float8_e5m2), with
             float32 scales per (token, KV head) for keys and values (``docs/kvcache.md``, "FP8
-            KV"); ``kv_storage_dtype`` is the resolved torch dtype.
+            KV"); ``kv_storage_dtype`` is the resolved torch dtype. On CUDA, "fp8" / "fp8_e4m3"
+            needs compute capability >= 8.9 on every device the engine uses (ValueError
+            otherwise: ``nanovllm.utils.dtypes.check_kv_cache_device``).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator; None (vLLM's default): 0.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
@@ -284,6 +286,11 @@ class Config:
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
         self._check_parallel()
+        if self.device == "cuda":
+            launch = self.launch  # spawned ranks use devices 0..ranks-1; a torchrun process its local rank's
+            devices = [launch.local_rank] if launch.torchrun else range(self.data_parallel_size *
+                                                                        self.tensor_parallel_size)
+            check_kv_cache_device(self.kv_cache_dtype, self.kv_storage_dtype, devices)
         self._check_async_scheduling()
 
     def _check_async_scheduling(self):

@@ -366,6 +366,31 @@ def test_fp8_holds_about_twice_the_tokens_in_both_tiers(qwen3_dir, monkeypatch, 
         assert blocks["fp8"][tier] / blocks["auto"][tier] == pytest.approx(head_ratio, rel=0.01)
 
 
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)])
+def test_fp8_e4m3_is_refused_below_compute_capability_8_9(qwen3_dir, monkeypatch, capability):
+    """Triton has no float8_e4m3fn below sm_89: the config refuses it there, naming the option,
+    the value, the device's capability and the limit; e5m2 and "auto" pass (a CUDA host of two
+    devices, the second one's capability queried, faked on CPU)."""
+    from nanovllm.config import Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0) if i == 0 else capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: f"GPU{i}")
+    for name in ("fp8", "fp8_e4m3"):
+        if capability >= (8, 9):
+            assert Config(qwen3_dir, device="cuda", kv_cache_dtype=name, data_parallel_size=2).kv_storage_dtype \
+                == torch.float8_e4m3fn
+            continue
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{name}' stores torch.float8_e4m3fn, which the Triton "
+                                             rf"kernels need compute capability >= 8.9 for; cuda:1 \(GPU1\) has "
+                                             rf"{capability[0]}.{capability[1]}: use kv_cache_dtype='fp8_e5m2'"):
+            Config(qwen3_dir, device="cuda", kv_cache_dtype=name, data_parallel_size=2)
+        Config(qwen3_dir, device="cuda", kv_cache_dtype=name)  # device 0 only
+    for name in ("fp8_e5m2", "auto"):
+        Config(qwen3_dir, device="cuda", kv_cache_dtype=name, data_parallel_size=2)
+
+
 def test_data_parallel_stats_sum_the_counts_and_keep_the_dtype():
     from nanovllm.parallel.data_parallel import sum_kv_cache_stats
 

@@ -46,3 +46,34 @@ def resolve_kv_cache_dtype(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dt
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(n) for n in KV_CACHE_DTYPES)}, "
                          f"got {kv_cache_dtype!r}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability below which Triton has no float8_e4m3fn (its ``fp8e4nv``; Ada, Hopper
+and later have it). Triton's NVIDIA backend supports float8_e5m2 (``fp8e5``) at every capability."""
+
+
+def check_kv_cache_device(kv_cache_dtype: str, cache_dtype: torch.dtype, device_indices) -> None:
+    """Refuse a cache dtype that the Triton kernels cannot compile for a CUDA device the engine uses.
+
+    Args:
+        kv_cache_dtype: the option's value (for the message).
+        cache_dtype: the dtype it resolved to (:func:`resolve_kv_cache_dtype`).
+        device_indices: the CUDA device indices of this process's ranks.
+
+    Raises:
+        ValueError: float8_e4m3fn on a device of compute capability below
+            :data:`FP8_E4M3_MIN_CAPABILITY`, naming the option, the value, the device, its
+            capability and the limit, and suggesting "fp8_e5m2".
+    """
+    if cache_dtype != torch.float8_e4m3fn:
+        return
+    for index in device_indices:
+        capability = tuple(torch.cuda.get_device_capability(index))
+        if capability < FP8_E4M3_MIN_CAPABILITY:
+            limit = "%d.%d" % FP8_E4M3_MIN_CAPABILITY
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} stores torch.float8_e4m3fn, which the Triton kernels need compute "
+                f"capability >= {limit} for; cuda:{index} ({torch.cuda.get_device_name(index)}) has "
+                f"{capability[0]}.{capability[1]}: use kv_cache_dtype='fp8_e5m2' (Triton supports float8_e5m2 "
+                f"below {limit}) or 'auto'")
