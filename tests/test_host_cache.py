@@ -181,7 +181,7 @@ def test_chunk_ranges_tile_the_mapping_and_each_holds_whole_blocks(block_shape):
     flat = sorted(r for chunk in ranges for r in chunk)
     assert all(a % mmap.PAGESIZE == 0 for a, _ in flat)
     assert all(a + n <= b for (a, n), (b, _) in zip(flat, flat[1:])), "no overlap"
-    assert sum(n for _, n in flat) == memory.capacity_bytes, "the whole mapping"
+    assert sum(n for _, n in flat) == memory.kv_bytes == memory.capacity_bytes, "the whole mapping"
     for c, chunk in enumerate(ranges):
         for b in range(c * memory.chunk_blocks, min((c + 1) * memory.chunk_blocks, 40)):
             for t in (memory.k, memory.v):
@@ -194,6 +194,47 @@ def test_chunk_ranges_tile_the_mapping_and_each_holds_whole_blocks(block_shape):
     assert memory.pinned_blocks == 40 and memory.bytes_pinned == memory.capacity_bytes
     memory.release()
     assert memory.bytes_pinned == 0
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_pinned_and_capacity_bytes_count_an_fp8_tiers_scales(kv):
+    """An fp8 tier's scales (float32 per (token, KV head), keys and values, every layer and host
+    block) are pinned at once and counted in the capacity and the pinned bytes; a bf16 tier counts
+    its keys and values only, as ever."""
+    import torch
+
+    from nanovllm.kvcache.host_tier import HostTier
+
+    layers, blocks, block, heads, dim = 3, 40, 16, 2, 8
+    dtype = torch.bfloat16 if kv == "bfloat16" else torch.float8_e4m3fn
+    tier = HostTier(layers, block, heads, dim, dtype, torch.device("cpu"), blocks, 2, chunk_bytes=1,
+                    scaled=kv == "fp8")
+    memory = tier.memory
+    kv_bytes = 2 * layers * -(-blocks * block * heads * dim * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
+    scale_bytes = 0 if kv == "bfloat16" else 2 * layers * blocks * block * heads * 4
+    assert (memory.kv_bytes, memory.scale_bytes, memory.capacity_bytes) == (kv_bytes, scale_bytes,
+                                                                            kv_bytes + scale_bytes)
+    if kv == "fp8":
+        assert tier.k_host_scale is memory.k_scale and tier.v_host_scale is memory.v_scale
+        assert memory.k_scale.shape == (layers, blocks, block, heads) and memory.k_scale.dtype == torch.float32
+    else:
+        assert memory.k_scale is None and tier.k_host_scale is None
+    assert memory.bytes_pinned == scale_bytes, "the scales from the start, keys and values on demand"
+    memory.start()
+    memory.ensure(blocks)
+    assert memory.bytes_pinned == memory.capacity_bytes == kv_bytes + scale_bytes
+    memory.release()
+    assert memory.bytes_pinned == scale_bytes, "keys and values unpinned; the scales live with their tensors"
+
+
+def test_engine_reports_an_fp8_host_tiers_scales_as_pinned(llama3_dir):
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=8, kv_cache_dtype="fp8", **HOST) as llm:
+        cache = llm.model_runner.cache
+        g, memory = cache.geometry, cache.host.memory
+        assert memory.scale_bytes == 2 * g.num_layers * 64 * g.block_size * g.num_kv_heads * 4
+        llm.generate([random_prompt(3000, seed=511)], greedy(4), use_tqdm=False)
+        stats = llm.get_kv_cache_stats()
+        assert stats["host_bytes_pinned"] == memory.bytes_pinned > memory.scale_bytes
 
 
 def test_prefix_reuse_benchmark_on_cpu(llama3_dir, capsys):

@@ -36,6 +36,12 @@ chunk up to block ``n + chunk_blocks``; :meth:`HostMemory.ensure` also waits unt
 ``n`` are pinned (a step that must wait is logged and counted in :attr:`HostMemory.wait_s`).
 :meth:`HostMemory.release` stops the thread and unregisters everything.
 
+**Scales.** An fp8 tier's float32 scales (``scale_shape`` per block and layer, keys and values:
+:attr:`HostMemory.k_scale`, :attr:`HostMemory.v_scale` ``[L, Nh, *scale_shape]``, a few percent of
+the blocks) are two allocations of their own, pinned at once on CUDA (``cudaHostAlloc``), so a copy
+of one block's scales of every layer lies inside one allocation; they are counted in
+:attr:`HostMemory.capacity_bytes` and :attr:`HostMemory.bytes_pinned` from the start.
+
 **Device access.** The gather kernel reads pinned memory through its host address, which needs
 ``cudaDevAttrCanUseHostPointerForRegisteredMem``: at construction one page is registered and its
 device pointer (``cuPointerGetAttribute``) compared with its host pointer. If they differ (or the
@@ -51,6 +57,8 @@ import threading
 import time
 
 import torch
+
+from nanovllm.ops.kv_quant import SCALE_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -98,20 +106,24 @@ def registered_pointers_agree() -> bool:
 
 class HostMemory:
     """Keys and values of the host tier (module doc): :attr:`k`, :attr:`v` ``[num_layers,
-    num_blocks, *block_shape]`` of ``dtype`` on the CPU.
+    num_blocks, *block_shape]`` of ``dtype`` on the CPU, and an fp8 tier's scales :attr:`k_scale`,
+    :attr:`v_scale` ``[num_layers, num_blocks, *scale_shape]`` float32 (None without).
 
     Args: num_layers; num_blocks (>= 1); block_shape (``(block_size, Hkv, D)``); dtype; device
     (CUDA: registered chunk by chunk; CPU: the same bookkeeping, nothing registered); chunk_bytes
     (default :data:`PIN_CHUNK_BYTES`, rounded to whole blocks starting on a page); on_demand (pin
     chunk by chunk; default: yes, unless the device cannot read registered memory at its host
-    address (:func:`registered_pointers_agree`), then pinned at once; False: pinned at once).
+    address (:func:`registered_pointers_agree`), then pinned at once; False: pinned at once);
+    scale_shape (the scales of one layer of one block, keys or values: ``(block_size, Hkv)``;
+    None: no scales), allocated filled with 1.0 and pinned at once on CUDA.
 
     Raises:
         RuntimeError: the memory cannot be mapped or (the eager fallback) pinned, with the bytes.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, chunk_bytes: int | None = None, on_demand: bool | None = None):
+                 device: torch.device, chunk_bytes: int | None = None, on_demand: bool | None = None,
+                 scale_shape: tuple[int, ...] | None = None):
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # the pinning thread sets this device
             device = torch.device("cuda", torch.cuda.current_device())
@@ -125,7 +137,17 @@ class HostMemory:
         self.chunk_blocks = min(num_blocks, _round_up(chunk_blocks, page_blocks))
         self.num_chunks = -(-num_blocks // self.chunk_blocks)
         self.layer_stride = _round_up(num_blocks * self.block_bytes, mmap.PAGESIZE)
-        self.capacity_bytes = 2 * num_layers * self.layer_stride
+        self.kv_bytes = 2 * num_layers * self.layer_stride
+        """Bytes of keys and values (page-rounded layer strides; the mapping on demand)."""
+        self.k_scale = self.v_scale = None
+        self.scale_bytes = 0
+        """Bytes of the scales, keys and values (0 without)."""
+        if scale_shape is not None:
+            self.k_scale, self.v_scale = (torch.ones((num_layers, num_blocks, *scale_shape), dtype=SCALE_DTYPE,
+                                                     pin_memory=self.cuda) for _ in range(2))
+            self.scale_bytes = 2 * self.k_scale.numel() * SCALE_DTYPE.itemsize
+        self.capacity_bytes = self.kv_bytes + self.scale_bytes
+        """Bytes of the tier: keys, values and scales."""
         self._lock = threading.Condition()
         self._target = self._pinned = 0  # chunks asked for, chunks pinned
         self._ranges: list[tuple[int, int]] = []  # (address, bytes) registered, in order
@@ -144,9 +166,9 @@ class HostMemory:
             self._pinned = self._target = self.num_chunks
             return
         try:
-            self._map = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE)
+            self._map = mmap.mmap(-1, self.kv_bytes, flags=mmap.MAP_PRIVATE)
         except (OSError, ValueError) as err:
-            raise RuntimeError(f"cannot map {self.capacity_bytes / 2**30:.2f} GiB of host memory for the host tier "
+            raise RuntimeError(f"cannot map {self.kv_bytes / 2**30:.2f} GiB of host memory for the host tier "
                                f"{shape}: {err}") from err
         flat = torch.frombuffer(self._map, dtype=dtype)
         self.base = flat.data_ptr()
@@ -178,8 +200,9 @@ class HostMemory:
 
     @property
     def bytes_pinned(self) -> int:
-        """Bytes page-locked now (on CPU: that would be)."""
-        return self.capacity_bytes if self.eager else sum(size for _, size in self._ranges)
+        """Bytes page-locked now (on CPU: that would be): keys and values pinned so far, and the
+        scales (pinned at once, for the life of their tensors)."""
+        return self.capacity_bytes if self.eager else sum(size for _, size in self._ranges) + self.scale_bytes
 
     def chunk_ranges(self, chunk: int) -> list[tuple[int, int]]:
         """``(address, bytes)`` of the ranges that pin ``chunk`` (module doc), keys then values,

@@ -12,8 +12,9 @@ Memory (per rank, ``L`` layers, ``Nh`` host blocks, ``N`` ring slots):
     GPU   k_slots, v_slots [N, block_size, Hkv, D]      the ring (one layer of one block per slot)
 
 An fp8 tier (``scaled``) keeps each block's float32 scales beside it, ``k_host_scale``,
-``v_host_scale`` ``[L, Nh, block_size, Hkv]`` (allocated at once, pinned on CUDA: 4 bytes per
-(token, KV head), a few percent of the blocks), and the ring ``k_slot_scales``, ``v_slot_scales``
+``v_host_scale`` ``[L, Nh, block_size, Hkv]`` (``HostMemory``'s: allocated at once, pinned on
+CUDA, counted in its capacity and pinned bytes; 4 bytes per (token, KV head), a few percent of
+the blocks), and the ring ``k_slot_scales``, ``v_slot_scales``
 ``[N, block_size, Hkv]``; every copy below moves a block's scales with it, in the same stream
 order, so a block is never requantized whatever tier it lives in.
 
@@ -75,21 +76,20 @@ class HostTier:
         self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
         self.num_slots, self.device, self.cuda = num_slots, device, device.type == "cuda"
         block_shape = (block_size, num_kv_heads, head_dim)
-        self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes, on_demand)
+        scale_shape = (block_size, num_kv_heads)
+        self.memory = HostMemory(num_layers, num_blocks, block_shape, dtype, device, chunk_bytes, on_demand,
+                                 scale_shape if scaled else None)
         self.k_host, self.v_host = self.memory.k, self.memory.v
+        self.k_host_scale, self.v_host_scale = self.memory.k_scale, self.memory.v_scale
         # Uninitialised on purpose: a slot is written before it is read, valid lengths bound reads.
         self.k_slots, self.v_slots = (torch.empty(num_slots, *block_shape, dtype=dtype, device=device)
                                       for _ in range(2))
         self.block_bytes = self.memory.block_bytes
         """Bytes of one layer of one block, keys or values (without scales)."""
-        self.k_host_scale = self.v_host_scale = self.k_slot_scales = self.v_slot_scales = None
+        self.k_slot_scales = self.v_slot_scales = None
         self.scale_block_bytes = 0
         """Bytes of one layer of one block's scales, keys or values (0 unscaled)."""
         if scaled:
-            scale_shape = (block_size, num_kv_heads)
-            self.k_host_scale, self.v_host_scale = (
-                torch.ones((num_layers, num_blocks, *scale_shape), dtype=SCALE_DTYPE, pin_memory=self.cuda)
-                for _ in range(2))
             self.k_slot_scales, self.v_slot_scales = (torch.ones((num_slots, *scale_shape), dtype=SCALE_DTYPE,
                                                                  device=device) for _ in range(2))
             self.scale_block_bytes = block_size * num_kv_heads * SCALE_DTYPE.itemsize
