@@ -120,7 +120,7 @@ class KVCache:
         self.layout = TierRows(g.num_layers, sizes.gpu_blocks + self.reuse_rows, self.staging_rows)
         shape = (2, self.layout.total, g.block_size, g.num_kv_heads, g.head_dim)
         try:  # on CPU untouched pages cost nothing: every slot is written before it is read
-            rows = (torch.zeros if cuda else torch.empty)(shape, dtype=g.dtype, device=self.device)
+            rows = (torch.zeros if cuda else torch.empty)(shape, dtype=g.cache_dtype, device=self.device)
             scale_rows = (torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
                           if self.storage.scaled else None)
         except RuntimeError as err:
@@ -132,7 +132,7 @@ class KVCache:
             raise RuntimeError(f"cannot allocate the KV cache: ({parts}) x {g.block_bytes} bytes = "
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
         if self.tiered:
-            self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype, self.device,
+            self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.cache_dtype, self.device,
                                  sizes.host_blocks, self.config.num_ring_slots, scaled=self.storage.scaled)
         self.kv = self.layout.per_layer(rows)
         self.kv_scales = None if scale_rows is None else self.layout.per_layer(scale_rows)
@@ -154,7 +154,7 @@ class KVCache:
         logger.info("KV cache: %s%s; %d-token blocks of %d layers, kv_cache_dtype=%r (%s, %d bytes per token and "
                     "layer%s)%s", ", ".join(f"{name} tier {n} blocks = {n * g.block_size} tokens "
                                             f"({n * g.block_bytes / 2**30:.2f} GiB)" for name, n in tiers),
-                    pinned, g.block_size, g.num_layers, self.config.kv_cache_dtype, g.dtype, g.token_bytes,
+                    pinned, g.block_size, g.num_layers, self.config.kv_cache_dtype, g.cache_dtype, g.token_bytes,
                     ", scales per (token, KV head) included" if self.storage.scaled else "",
             f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "

@@ -25,14 +25,14 @@ GPU_HEADROOM = 256 << 20
 
 class KVGeometry(NamedTuple):
     """One rank's KV shape: per layer and token, ``num_kv_heads x head_dim`` keys and values of
-    ``dtype`` (the storage dtype), with ``token_bytes`` of the layer's spec per token (an fp8
+    ``cache_dtype`` (the storage dtype), with ``token_bytes`` of the layer's spec per token (an fp8
     cache's scales included: :attr:`~nanovllm.kvcache.spec.LayerKVSpec.token_bytes`)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    cache_dtype: torch.dtype
     token_bytes: int
 
     @property
