@@ -49,7 +49,13 @@ Building the samples takes ~10 s per 32K length on one core; --make-samples save
     python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 32768 --design full \\
         --page-sizes 16,32,64 --budgets 2048,1024,4096 --group-scores max,sum --dense-layers 0,2
     python -m benchmarks.ruler_sweep --settings full,quest-p32-b1024-sum-d2-host,xattn-0.9 --model DIR
+    python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 32768 --jobs 4 \\
+        --settings full,quest-p16-b2048-max-d0,quest-p32-b2048-max-d0,streaming-p16-d0
     python -m benchmarks.ruler_sweep --table ruler.jsonl
+
+--jobs N runs the settings in N processes sharing the GPU (each with 1/N of
+--gpu-memory-utilization): a small model's decode under a choosing policy is host-bound, so
+settings side by side finish sooner; the lines are appended to --out in the order of --settings.
 """
 from __future__ import annotations
 
@@ -169,7 +175,7 @@ def block_size(name: str, length: int, default: int) -> int:
 
 
 def make_settings(name: str, length: int, tasks: list[str], num_samples: int, block: int, sink: int, recent: int,
-                  device: str = "auto") -> RulerSettings:
+                  device: str = "auto", gpu_memory_utilization: float | None = None) -> RulerSettings:
     """The validated evaluation of ``name`` at ``length`` (all ``num_samples`` samples of a task
     batched). A QUEST ``-host`` setting's reuse cache gets the engine's default cells per pick
     (``DEFAULT_ROWS_PER_PICK`` per picked page and KV head) for each batched sequence, so that the
@@ -180,7 +186,8 @@ def make_settings(name: str, length: int, tasks: list[str], num_samples: int, bl
         picks = math.ceil(fields["sparse_token_budget"] / page) * page  # QuestPolicy.decode_pick_limit
         fields["num_reuse_cache_blocks"] = math.ceil(DEFAULT_ROWS_PER_PICK * picks * num_samples / block)
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
-                             max_num_seqs=num_samples, block_size=block, device=device, **fields)
+                             max_num_seqs=num_samples, block_size=block, device=device,
+                             gpu_memory_utilization=gpu_memory_utilization, **fields)
     settings.validate()
     return settings
 
@@ -241,7 +248,7 @@ def _line(name: str, length: int, report, seconds: float, samples: dict, options
 
 
 def run_setting(model: str, name: str, samples: dict, num_samples: int, default_block: int, sink: int, recent: int,
-                device: str = "auto"):
+                device: str = "auto", gpu_memory_utilization: float | None = None):
     """Setting ``name`` at every length, the longest first; one engine per block size (so one for
     all but ``full-host-N``), sized for its longest length. Yields the JSON line of each length in
     turn (see the module docstring)."""
@@ -249,20 +256,23 @@ def run_setting(model: str, name: str, samples: dict, num_samples: int, default_
     tasks = list(samples[lengths[0]])
     for block in dict.fromkeys(block_size(name, n, default_block) for n in lengths):
         group = [n for n in lengths if block_size(name, n, default_block) == block]
-        settings = make_settings(name, group[0], tasks, num_samples, block, sink, recent, device)
+        settings = make_settings(name, group[0], tasks, num_samples, block, sink, recent, device,
+                                 gpu_memory_utilization)
         llm = LLM(model, **settings.engine_kwargs())
         try:
             options = sparse_options(llm)
             for length in group:
                 t0 = time.perf_counter()
-                report = run_ruler(llm, make_settings(name, length, tasks, num_samples, block, sink, recent, device),
-                                   samples[length])
+                report = run_ruler(llm, make_settings(name, length, tasks, num_samples, block, sink, recent, device,
+                                                      gpu_memory_utilization), samples[length])
                 yield _line(name, length, report, time.perf_counter() - t0, samples[length], options)
         finally:
             llm.shutdown()
 
 
 def sweep(args) -> None:
+    if args.jobs > 1:
+        return sweep_in_jobs(args)
     if args.samples:
         samples = load_samples(args.samples, args.lengths, args.num_samples, args.tasks)
     else:
@@ -270,12 +280,70 @@ def sweep(args) -> None:
     for name in args.settings:
         try:
             for line in run_setting(args.model, name, samples, args.num_samples, args.block_size, args.sink_tokens,
-                                    args.recent_tokens, args.device):
+                                    args.recent_tokens, args.device, args.gpu_memory_utilization):
                 _write(args.out, line)
         except Exception as err:  # record it; the other settings go on
             _write(args.out, {"setting": name, "error": f"{type(err).__name__}: {err}"})
-    print()
-    print(table(args.out))
+    if not args.no_table:
+        print()
+        print(table(args.out))
+
+
+def job_split(settings: list[str], jobs: int) -> list[list[str]]:
+    """``settings`` dealt round-robin to at most ``jobs`` jobs (none empty), so that the first
+    settings (FULL among them) start at once."""
+    return [part for part in (settings[k::jobs] for k in range(jobs)) if part]
+
+
+def job_argv(args, names: list[str], samples: str, out: str, utilization: float) -> list[str]:
+    """The command line of one job of :func:`sweep_in_jobs`: this sweep's options for ``names``,
+    reading ``samples``, appending to ``out``, with ``utilization`` of the GPU, no table."""
+    return [sys.executable, "-m", "benchmarks.ruler_sweep", "--model", args.model, "--samples", samples,
+            "--lengths", ",".join(map(str, args.lengths)), "--num-samples", str(args.num_samples),
+            "--tasks", ",".join(args.tasks), "--settings", ",".join(names),
+            "--sink-tokens", str(args.sink_tokens), "--recent-tokens", str(args.recent_tokens),
+            "--block-size", str(args.block_size), "--device", args.device,
+            "--gpu-memory-utilization", f"{utilization:.4f}", "--out", out, "--no-table"]
+
+
+def sweep_in_jobs(args) -> None:
+    """The sweep in ``args.jobs`` child processes sharing the device, each with an equal share
+    of ``--gpu-memory-utilization`` (the engine's default when not given) and its own JSON-lines
+    file (``OUT.jobK``, its log ``OUT.jobK.log``); then every line is appended to ``--out`` in the
+    order of ``--settings`` and the tables are printed. The samples are built once (unless
+    ``--samples`` gives them) and saved beside ``--out``.
+
+    Raises:
+        RuntimeError: a job exited with an error (the lines of the others are still appended).
+    """
+    import subprocess
+
+    samples = args.samples
+    if samples is None:
+        samples = f"{args.out}.samples.pt"
+        torch.save(make_samples(args.model, args.lengths, args.num_samples, args.seed, args.tasks), samples)
+    share = (args.gpu_memory_utilization or _ENGINE_DEFAULTS["gpu_memory_utilization"]) / args.jobs
+    root = str(Path(__file__).resolve().parents[1])
+    procs = []
+    for k, names in enumerate(job_split(args.settings, args.jobs)):
+        out = f"{args.out}.job{k}"
+        Path(out).unlink(missing_ok=True)
+        with open(f"{out}.log", "w") as log:
+            procs.append((out, subprocess.Popen(job_argv(args, names, samples, out, share), cwd=root,
+                                                stdout=log, stderr=subprocess.STDOUT)))
+    codes = [proc.wait() for _, proc in procs]
+    failed = [f"{out}.log (exit {code})" for (out, _), code in zip(procs, codes) if code != 0]
+    lines = [json.loads(x) for out, _ in procs if Path(out).exists()
+             for x in Path(out).read_text().splitlines() if x.strip()]
+    for name in args.settings:
+        for line in lines:
+            if line["setting"] == name:
+                _write(args.out, line)
+    if not args.no_table:
+        print()
+        print(table(args.out))
+    if failed:
+        raise RuntimeError(f"ruler_sweep jobs failed: {', '.join(failed)}")
 
 
 def _write(path: str, line: dict) -> None:
@@ -434,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=1024,
                    help="KV block tokens of every setting but full-host-N (default 1024)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU the sweep may use (default: the engine's); --jobs share it")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the settings in this many processes on one device (default 1): a small model's "
+                        "decode is host-bound, so settings run side by side finish sooner")
+    p.add_argument("--no-table", action="store_true", help="do not print the tables at the end")
     p.add_argument("--samples", help="samples saved by --make-samples (default: build them)")
     p.add_argument("--make-samples", metavar="PATH", help="only build the samples of --tasks and save them")
     p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here (default ruler_sweep.jsonl)")
@@ -450,6 +524,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.num_samples < 1 or min(args.lengths) <= ANSWER_ROOM:
         p.error(f"--num-samples must be >= 1 and every length > {ANSWER_ROOM}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.settings is None:
         args.settings = grid(args.policies, args.page_sizes, args.budgets, args.group_scores, args.dense_layers,
                              args.design, args.sink_tokens, args.recent_tokens, args.host_tier)
@@ -457,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.settings:  # every setting's options, checked before any model is loaded
         try:
             make_settings(name, longest, args.tasks, args.num_samples, block_size(name, longest, args.block_size),
-                          args.sink_tokens, args.recent_tokens, args.device)
+                          args.sink_tokens, args.recent_tokens, args.device, args.gpu_memory_utilization)
         except ValueError as err:
             p.error(f"setting {name}: {err}")
     if args.list:

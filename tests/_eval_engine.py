@@ -15,7 +15,8 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
                  "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
                  "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
-                 "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "enforce_eager")
+                 "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "enforce_eager",
+                 "gpu_memory_utilization")
 DEFAULT_TOKEN_BUDGET = 2048
 """The engine's ``sparse_token_budget`` default (``nanovllm.config.Config``)."""
 
@@ -51,6 +52,7 @@ class EngineSettings:
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
     enforce_eager: bool = False
+    gpu_memory_utilization: float | None = None  # None: the engine's default
 
     @property
     def max_model_len(self) -> int:
@@ -64,6 +66,8 @@ class EngineSettings:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size % 256:
             raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._validate_sparse()
         if not self.enable_offload:
             return
@@ -140,6 +144,8 @@ class EngineSettings:
                   sparse_recent_tokens=self.sparse_recent_tokens, sparse_dense_layers=self.sparse_dense_layers,
                   sparse_group_score=self.sparse_group_score,
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
+        if self.gpu_memory_utilization is not None:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.sparse_topk_blocks is not None:  # the engine turns it into the token budget (and warns)
             kw["sparse_topk_blocks"] = self.sparse_topk_blocks
         if self.enable_offload:
@@ -209,6 +215,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: the model's dtype on GPU, float32 on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU this process may use (default: the engine's)")
 
 
 def _policy_names() -> list[str]:

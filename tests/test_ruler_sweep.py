@@ -1,0 +1,100 @@
+"""benchmarks/ruler_sweep.py without a model: setting names, the paired difference, the tables
+and the split of a sweep into jobs (their command lines and the merge of their lines)."""
+import json
+import math
+import sys
+
+import pytest
+
+from benchmarks import ruler_sweep as rs
+
+
+def _line(setting, scores, length=4096, digest="d"):
+    return {"setting": setting, "input_len": length, "overall": sum(map(sum, scores.values())) / sum(
+        map(len, scores.values())), "tasks": {t: sum(v) / len(v) for t, v in scores.items()}, "scores": scores,
+        "samples_digest": {t: digest for t in scores}, "generate_seconds": 1.0}
+
+
+def test_setting_names_parse_and_reject():
+    fields = rs.setting_fields("quest-p32-b1024-sum-d2-host")
+    assert fields["sparse_page_size"] == 32 and fields["sparse_token_budget"] == 1024
+    assert fields["sparse_group_score"] == "sum" and fields["sparse_dense_layers"] == 2
+    assert fields["enable_offload"] and fields["num_ring_slots"] == rs.HOST_RING_SLOTS
+    assert rs.setting_fields("streaming-p16-d0")["sparse_policy"] == "STREAMING"
+    with pytest.raises(ValueError, match="unknown setting 'quest-p16-d0'"):
+        rs.setting_fields("quest-p16-d0")  # QUEST needs a budget
+    with pytest.raises(ValueError, match="unknown setting"):
+        rs.setting_fields("streaming-p16-b2048-max-d0")
+
+
+def test_paired_difference_is_mean_and_standard_error_of_per_sample_differences():
+    full = _line("full", {"a": [1, 1, 0, 1], "b": [1, 0]})
+    quest = _line("quest-p16-b2048-max-d0", {"a": [1, 0, 0, 0], "b": [1, 1]})
+    per_task, (diff, se) = rs.paired_difference(quest, full)
+    d_a = [0, -1, 0, -1]
+    se_a = math.sqrt(sum((x + 0.5) ** 2 for x in d_a) / 3 / 4)
+    assert per_task["a"] == pytest.approx((-0.5, se_a))
+    assert per_task["b"] == pytest.approx((0.5, 0.5))
+    assert diff == pytest.approx(0.0) and se == pytest.approx(math.sqrt(se_a ** 2 + 0.25) / 2)
+    other = dict(quest, samples_digest={"a": "x", "b": "d"})  # other samples of task a: not paired
+    assert set(rs.paired_difference(other, full)[0]) == {"b"}
+
+
+def test_table_pairs_each_row_with_full_on_the_same_samples(tmp_path):
+    path = tmp_path / "sweep.jsonl"
+    lines = [_line("quest-p16-b2048-max-d0", {"niah_single_1": [0, 1]}), _line("full", {"niah_single_1": [1, 1]}),
+             {"setting": "quest-p64-b2048-max-d0", "error": "ValueError: boom"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = rs.table(str(path))
+    rows = [r for r in text.splitlines() if r.startswith("| full") or r.startswith("| quest")]
+    assert rows[0].startswith("| full | 4096") and "(baseline)" in rows[0]  # FULL first
+    assert "-50.0 ± 50.0" in rows[1]
+    assert "failed: quest-p64-b2048-max-d0: ValueError: boom" in text
+
+
+def test_job_split_deals_settings_round_robin_without_empty_jobs():
+    names = ["full", "q1", "q2", "q3", "q4"]
+    assert rs.job_split(names, 2) == [["full", "q2", "q4"], ["q1", "q3"]]
+    assert rs.job_split(names[:2], 4) == [["full"], ["q1"]]
+    assert sorted(sum(rs.job_split(names, 3), [])) == sorted(names)
+
+
+def test_job_argv_carries_the_sweep_options(tmp_path):
+    args = rs.build_parser().parse_args(["--model", "M", "--lengths", "4096,32768", "--num-samples", "5",
+                                         "--tasks", "niah_single_1,vt", "--sink-tokens", "32", "--jobs", "3",
+                                         "--block-size", "2048", "--gpu-memory-utilization", "0.6"])
+    argv = rs.job_argv(args, ["full", "streaming-p16-d0"], "s.pt", "out.job1", 0.2)
+    assert argv[:3] == [sys.executable, "-m", "benchmarks.ruler_sweep"]
+    child = rs.build_parser().parse_args(argv[3:])
+    for name in ("model", "lengths", "num_samples", "tasks", "sink_tokens", "recent_tokens", "block_size", "device"):
+        assert getattr(child, name) == getattr(args, name), name
+    assert child.settings == ["full", "streaming-p16-d0"] and child.samples == "s.pt" and child.out == "out.job1"
+    assert child.gpu_memory_utilization == pytest.approx(0.2) and child.jobs == 1 and child.no_table
+
+
+def test_sweep_in_jobs_merges_the_jobs_lines_in_settings_order(tmp_path, monkeypatch, capsys):
+    """Each job (here a stand-in that writes one line per setting it was given) writes its own
+    file; the parent appends them to --out in the order of --settings and reports a failed job."""
+    out = tmp_path / "sweep.jsonl"
+    writer = ("import json, sys; names, path = sys.argv[1].split(','), sys.argv[2]\n"
+              "open(path, 'a').write(''.join(json.dumps({'setting': n, 'input_len': 4096, 'overall': 0.5, "
+              "'tasks': {'vt': 0.5}, 'scores': {'vt': [0, 1]}, 'samples_digest': {'vt': 'd'}, "
+              "'generate_seconds': 1.0}) + '\\n' for n in names))\n"
+              "sys.exit(3 if 'streaming-p16-d0' in names else 0)")
+    seen = []
+
+    def fake_argv(args, names, samples, path, utilization):
+        seen.append((names, samples, utilization))
+        return [sys.executable, "-c", writer, ",".join(names), path]
+
+    monkeypatch.setattr(rs, "job_argv", fake_argv)
+    args = rs.build_parser().parse_args(["--model", "M", "--samples", "s.pt", "--jobs", "2", "--out", str(out),
+                                         "--gpu-memory-utilization", "0.8", "--settings",
+                                         "full,quest-p16-b2048-max-d0,streaming-p16-d0,quest-p32-b2048-max-d0"])
+    with pytest.raises(RuntimeError, match=r"sweep.jsonl.job0.log \(exit 3\)"):
+        rs.sweep(args)
+    assert [x[0] for x in seen] == [["full", "streaming-p16-d0"], ["quest-p16-b2048-max-d0", "quest-p32-b2048-max-d0"]]
+    assert all(s == "s.pt" and u == pytest.approx(0.4) for _, s, u in seen)
+    merged = [json.loads(x)["setting"] for x in out.read_text().splitlines()]
+    assert merged == args.settings
+    assert "| quest-p16-b2048-max-d0 | 4096 |" in capsys.readouterr().out
