@@ -7,11 +7,12 @@ per task with all of its samples batched (--num-samples, 20 by default), scored 
 metric. Every setting reads the same samples: they are built once per length (or loaded with
 --samples) and each line records a digest of every task's samples, which the pairing checks. Each
 (setting, length) appends one JSON line to --out: every task's per-sample scores and mean, the
-average over tasks, the engine's policy options, the sparse densities (LLM.get_sparse_stats)
-and the generate time. A setting that fails is recorded with its error and the sweep goes on.
-At the end (or with --table) the lines are printed as two Markdown tables: per-task and average
-scores with the paired difference of the average against FULL (same length, same samples) and
-its standard error, then the paired difference of every task.
+average over tasks, the engine's policy options, the sparse densities (LLM.get_sparse_stats; the
+decode's density, comm density and reuse rate also per layer) and the generate time. A setting
+that fails is recorded with its error and the sweep goes on. At the end (or with --table) the
+lines are printed as two Markdown tables: per-task and average scores with the paired difference
+of the average against FULL (same length, same samples) and its standard error, then the paired
+difference of every task.
 
 Paired difference: for task t with samples i, d_ti = score(setting)_ti - score(FULL)_ti; a
 task's difference is mean_i d_ti with standard error sd_i(d_ti) / sqrt(n_t); the average's is
@@ -241,6 +242,8 @@ def _line(name: str, length: int, report, seconds: float, samples: dict, options
             "prefill_density": prefill.get("density"), "prefill_comm_density": prefill.get("comm_density"),
             "decode_density": decode.get("density"), "decode_comm_density": decode.get("comm_density"),
             "decode_reuse_rate": decode.get("reuse_rate"),
+            "decode_per_layer": [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+                                 for row in decode.get("per_layer", [])],
             "decode_read_tokens": decode.get("read_tokens"), "decode_context_tokens": decode.get("context_tokens"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
             "block_size": report.settings["block_size"],

@@ -98,3 +98,20 @@ def test_sweep_in_jobs_merges_the_jobs_lines_in_settings_order(tmp_path, monkeyp
     merged = [json.loads(x)["setting"] for x in out.read_text().splitlines()]
     assert merged == args.settings
     assert "| quest-p16-b2048-max-d0 | 4096 |" in capsys.readouterr().out
+
+
+def test_line_records_the_decode_per_layer_and_the_pairing_digests():
+    from test_ruler import RulerReport, TaskResult
+
+    result = TaskResult("vt", [1.0, 0.0], ["a b", "x"], [["a", "b"], ["c"]], ["stop", "stop"], [3, 2], 0.1)
+    per_layer = [{"layer": 0, "comm_density": None, "reuse_rate": 0.876543, "density": 0.0712345}]
+    stats = {"policy": "QUEST", "prefill": {"density": 1.0},
+             "decode": {"density": 0.07, "reuse_rate": 0.88, "per_layer": per_layer}}
+    report = RulerReport([result], 4096, settings={"block_size": 1024}, dtype="bfloat16", sparse_stats=stats)
+    samples = {"vt": [{"input_ids": [1, 2], "answers": ["a", "b"]}, {"input_ids": [3], "answers": ["c"]}]}
+    line = rs._line("quest-p16-b2048-max-d0", 4096, report, 1.23, samples, {"sparse_page_size": 16})
+    assert line["decode_per_layer"] == [{"layer": 0, "comm_density": None, "reuse_rate": 0.8765, "density": 0.0712}]
+    assert line["scores"] == {"vt": [1.0, 0.0]} and line["overall"] == 0.5 and line["generate_seconds"] == 1.2
+    assert line["samples_digest"]["vt"] == rs.samples_digest(samples["vt"])
+    assert line["outputs"] == {"vt": ["x"]}  # the outputs of missed samples only
+    json.dumps(line)  # a JSON line
