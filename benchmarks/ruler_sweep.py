@@ -52,7 +52,7 @@ Building the samples takes ~10 s per 32K length on one core; --make-samples save
     python -m benchmarks.ruler_sweep --settings full,quest-p32-b1024-sum-d2-host,xattn-0.9 --model DIR
     python -m benchmarks.ruler_sweep --samples samples.pt --model DIR --lengths 32768 --jobs 4 \\
         --settings full,quest-p16-b2048-max-d0,quest-p32-b2048-max-d0,streaming-p16-d0
-    python -m benchmarks.ruler_sweep --table ruler.jsonl
+    python -m benchmarks.ruler_sweep --table ruler.jsonl [more.jsonl ...]
 
 --jobs N runs the settings in N processes sharing the GPU (each with 1/N of
 --gpu-memory-utilization): a small model's decode under a choosing policy is host-bound, so
@@ -395,10 +395,33 @@ def _pm(value: tuple[float, float | None] | None, scale: float = 100.0) -> str:
     return f"{scale * diff:+.1f}" + ("" if se is None else f" ± {scale * se:.1f}")
 
 
-def table(path: str) -> str:
-    """The Markdown tables of a sweep's JSON lines (module docstring): a row per (setting,
-    length), sorted by length, FULL first, then the settings in the order they ran."""
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+def read_lines(paths: str | list[str]) -> list[dict]:
+    """The JSON lines of one or more sweep files, in order; a line that repeats an earlier one's
+    setting, length, samples and per-sample scores (the same run recorded again, e.g. a FULL
+    baseline in two files) is kept once.
+
+    Raises:
+        FileNotFoundError: a path that does not exist (named).
+    """
+    lines, seen = [], set()
+    for path in [paths] if isinstance(paths, str) else paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no sweep file {path}")
+        for text in Path(path).read_text().splitlines():
+            if not text.strip():
+                continue
+            line = json.loads(text)
+            key = json.dumps([line.get(k) for k in ("setting", "input_len", "samples_digest", "scores", "error")])
+            if key not in seen:
+                seen.add(key)
+                lines.append(line)
+    return lines
+
+
+def table(paths: str | list[str]) -> str:
+    """The Markdown tables of a sweep's JSON lines (module docstring; :func:`read_lines`): a row
+    per (setting, length), sorted by length, FULL first, then the settings in the order they ran."""
+    lines = read_lines(paths)
     runs = [x for x in lines if "error" not in x]
     order = list(dict.fromkeys([BASELINE] + [x["setting"] for x in runs]))
     runs.sort(key=lambda x: (x["input_len"], order.index(x["setting"])))
@@ -514,8 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", help="samples saved by --make-samples (default: build them)")
     p.add_argument("--make-samples", metavar="PATH", help="only build the samples of --tasks and save them")
     p.add_argument("--out", default="ruler_sweep.jsonl", help="JSON lines appended here (default ruler_sweep.jsonl)")
-    p.add_argument("--table", metavar="JSONL", help="only print the tables of a sweep's lines")
-    p.add_argument("--list", action="store_true", help="only print the settings the sweep would run")
+    p.add_argument("--table", metavar="JSONL", nargs="+",
+                   help="only print the tables of the lines of these sweep files (a repeated run shown once)")
+    p.add_argument("--list", action="store_true",
+                   help="only print the settings the sweep would run (with --jobs, each job's)")
     return p
 
 
@@ -523,7 +548,10 @@ def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
     if args.table:
-        print(table(args.table))
+        try:
+            print(table(args.table))
+        except FileNotFoundError as err:
+            p.error(str(err))
         return
     if args.num_samples < 1 or min(args.lengths) <= ANSWER_ROOM:
         p.error(f"--num-samples must be >= 1 and every length > {ANSWER_ROOM}")
@@ -540,7 +568,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             p.error(f"setting {name}: {err}")
     if args.list:
-        print("\n".join(args.settings))
+        print("\n".join(args.settings) if args.jobs == 1 else "\n".join(
+            f"job {k}: {', '.join(names)}" for k, names in enumerate(job_split(args.settings, args.jobs))))
     elif not args.model:
         p.error("--model is required")
     elif args.make_samples:

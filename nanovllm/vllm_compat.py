@@ -109,7 +109,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "pooler_config": _arg(_empty, _NONE, "nanovllm runs generative models only"),
     "override_pooler_config": _arg(_empty, _NONE, "nanovllm runs generative models only"),
     "disable_sliding_window": _arg(_one_of(False), "False",
-                                   "sliding-window models run only with max_model_len <= the window"),
+                                   "a model's sliding window is always applied (vLLM's True attends to the whole context)"),
     "disable_cascade_attn": _arg(_any_bool, "True, False (no-op: no cascade attention here)", ""),
     "enable_sleep_mode": _arg(_one_of(False), "False", "use shutdown() to free the GPU"),
     "enable_return_routed_experts": _arg(_one_of(False), "False", _NO_EP),

@@ -115,3 +115,18 @@ def test_line_records_the_decode_per_layer_and_the_pairing_digests():
     assert line["samples_digest"]["vt"] == rs.samples_digest(samples["vt"])
     assert line["outputs"] == {"vt": ["x"]}  # the outputs of missed samples only
     json.dumps(line)  # a JSON line
+
+
+def test_table_of_several_files_shows_a_repeated_run_once(tmp_path):
+    full = _line("full", {"vt": [1, 1]})
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps(full) + "\n" + json.dumps(_line("streaming-p16-d0", {"vt": [0, 1]})) + "\n")
+    b.write_text(json.dumps(dict(full, generate_seconds=9.0)) + "\n"
+                 + json.dumps(_line("full", {"vt": [1, 0]}, length=8192)) + "\n")
+    lines = rs.read_lines([str(a), str(b)])
+    assert [(x["setting"], x["input_len"]) for x in lines] == [("full", 4096), ("streaming-p16-d0", 4096),
+                                                                ("full", 8192)]
+    rows = [r for r in rs.table([str(a), str(b)]).splitlines() if r.startswith("| full |")]
+    assert len(rows) == 2
+    with pytest.raises(FileNotFoundError, match="no sweep file .*missing.jsonl"):
+        rs.read_lines([str(a), str(tmp_path / "missing.jsonl")])

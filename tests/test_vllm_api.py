@@ -74,6 +74,14 @@ def test_request_output_fields_and_dict_access(llm):
         first["outputs"]
 
 
+def test_request_ids_count_prompts_not_completions(llm):
+    """As vLLM's request counter: one id per prompt, consecutive across calls, whatever ``n``."""
+    prompts = [random_prompt(8, seed=1510), random_prompt(8, seed=1511)]
+    first = [int(o.request_id) for o in llm.generate(prompts, SamplingParams(n=3, max_tokens=2), use_tqdm=False)]
+    again = [int(o.request_id) for o in llm.generate(prompts, greedy(2), use_tqdm=False)]
+    assert first == [first[0], first[0] + 1] and again == [first[0] + 2, first[0] + 3]
+
+
 def test_get_tokenizer(llm):
     assert llm.get_tokenizer() is llm.tokenizer
     assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("hello")) == "hello"

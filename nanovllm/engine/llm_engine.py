@@ -1,4 +1,5 @@
 """The engine loop: requests in, scheduler and model runner per step, finished outputs out."""
+import itertools
 import logging
 import time
 import weakref
@@ -77,6 +78,7 @@ class LLMEngine(EngineStats):
         self.config, self.tokenizer = config, tokenizer
         self._default_sampling: dict = {}
         self._outputs = OutputBuilder(tokenizer)
+        self._request_ids = itertools.count()  # one id per prompt, as vLLM's request counter
         self._workers, self._generators, self._replicas = [], {}, None
         launch = config.launch
         if launch.torchrun:
@@ -322,9 +324,11 @@ class LLMEngine(EngineStats):
         request's output is built (detokenized) as soon as its last sequence finishes, while the
         device runs the steps in flight, rather than all at the end."""
         group_of = {seq_id: i for i, group in enumerate(groups) for seq_id in group}
+        request_ids = [str(next(self._request_ids)) for _ in groups]
         finished: dict[int, Sequence] = {}
         outputs: list[RequestOutput | None] = [None] * len(groups)
-        bar = tqdm(total=len(group_of), desc="Generating", dynamic_ncols=True, disable=not use_tqdm or self.rank > 0)
+        bar = tqdm(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm or self.rank > 0)
         prefill_tps = decode_tps = 0.0
         while len(finished) < len(group_of):
             t = time.perf_counter()
@@ -334,11 +338,11 @@ class LLMEngine(EngineStats):
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
             for seq in done:
                 finished[seq.seq_id] = seq
-                bar.update(1)
                 r = group_of[seq.seq_id]
                 if all(seq_id in finished for seq_id in groups[r]):
-                    outputs[r] = self._outputs.request(str(groups[r][0]), prompts[r].text,
+                    outputs[r] = self._outputs.request(request_ids[r], prompts[r].text,
                                                        [finished[seq_id] for seq_id in groups[r]])
+                    bar.update(1)
         bar.close()
         return outputs
 
