@@ -274,8 +274,23 @@ def run_setting(model: str, name: str, samples: dict, num_samples: int, default_
 
 
 def sweep(args) -> None:
-    if args.jobs > 1:
-        return sweep_in_jobs(args)
+    """Run every setting (here, or in ``--jobs`` processes: :func:`run_in_jobs`), appending its
+    lines to ``--out``, then print the tables.
+
+    Raises:
+        RuntimeError: a job exited with an error (after the others' lines and the tables).
+    """
+    failed = run_in_jobs(args) if args.jobs > 1 else run_here(args)
+    if not args.no_table:
+        print()
+        print(table(args.out))
+    if failed:
+        raise RuntimeError(f"ruler_sweep jobs failed: {', '.join(failed)}")
+
+
+def run_here(args) -> list[str]:
+    """Every setting in this process; a setting that fails is recorded as an error line. Returns
+    no failed jobs."""
     if args.samples:
         samples = load_samples(args.samples, args.lengths, args.num_samples, args.tasks)
     else:
@@ -287,9 +302,7 @@ def sweep(args) -> None:
                 _write(args.out, line)
         except Exception as err:  # record it; the other settings go on
             _write(args.out, {"setting": name, "error": f"{type(err).__name__}: {err}"})
-    if not args.no_table:
-        print()
-        print(table(args.out))
+    return []
 
 
 def job_split(settings: list[str], jobs: int) -> list[list[str]]:
@@ -299,7 +312,7 @@ def job_split(settings: list[str], jobs: int) -> list[list[str]]:
 
 
 def job_argv(args, names: list[str], samples: str, out: str, utilization: float) -> list[str]:
-    """The command line of one job of :func:`sweep_in_jobs`: this sweep's options for ``names``,
+    """The command line of one job of :func:`run_in_jobs`: this sweep's options for ``names``,
     reading ``samples``, appending to ``out``, with ``utilization`` of the GPU, no table."""
     return [sys.executable, "-m", "benchmarks.ruler_sweep", "--model", args.model, "--samples", samples,
             "--lengths", ",".join(map(str, args.lengths)), "--num-samples", str(args.num_samples),
@@ -309,16 +322,12 @@ def job_argv(args, names: list[str], samples: str, out: str, utilization: float)
             "--gpu-memory-utilization", f"{utilization:.4f}", "--out", out, "--no-table"]
 
 
-def sweep_in_jobs(args) -> None:
-    """The sweep in ``args.jobs`` child processes sharing the device, each with an equal share
+def run_in_jobs(args) -> list[str]:
+    """The settings in ``args.jobs`` child processes sharing the device, each with an equal share
     of ``--gpu-memory-utilization`` (the engine's default when not given) and its own JSON-lines
     file (``OUT.jobK``, its log ``OUT.jobK.log``); then every line is appended to ``--out`` in the
-    order of ``--settings`` and the tables are printed. The samples are built once (unless
-    ``--samples`` gives them) and saved beside ``--out``.
-
-    Raises:
-        RuntimeError: a job exited with an error (the lines of the others are still appended).
-    """
+    order of ``--settings``. The samples are built once (unless ``--samples`` gives them) and saved
+    beside ``--out``. Returns the logs of the jobs that exited with an error."""
     import subprocess
 
     samples = args.samples
@@ -335,18 +344,12 @@ def sweep_in_jobs(args) -> None:
             procs.append((out, subprocess.Popen(job_argv(args, names, samples, out, share), cwd=root,
                                                 stdout=log, stderr=subprocess.STDOUT)))
     codes = [proc.wait() for _, proc in procs]
-    failed = [f"{out}.log (exit {code})" for (out, _), code in zip(procs, codes) if code != 0]
-    lines = [json.loads(x) for out, _ in procs if Path(out).exists()
-             for x in Path(out).read_text().splitlines() if x.strip()]
+    lines = read_lines([out for out, _ in procs if Path(out).exists()])
     for name in args.settings:
         for line in lines:
             if line["setting"] == name:
                 _write(args.out, line)
-    if not args.no_table:
-        print()
-        print(table(args.out))
-    if failed:
-        raise RuntimeError(f"ruler_sweep jobs failed: {', '.join(failed)}")
+    return [f"{out}.log (exit {code})" for (out, _), code in zip(procs, codes) if code != 0]
 
 
 def _write(path: str, line: dict) -> None:

@@ -287,10 +287,7 @@ class Config:
             self.max_model_len = self.hf_config.max_position_embeddings
         self._check_parallel()
         if self.device == "cuda":
-            launch = self.launch  # spawned ranks use devices 0..ranks-1; a torchrun process its local rank's
-            devices = [launch.local_rank] if launch.torchrun else range(self.data_parallel_size *
-                                                                        self.tensor_parallel_size)
-            check_kv_cache_device(self.kv_cache_dtype, self.kv_storage_dtype, devices)
+            check_kv_cache_device(self.kv_cache_dtype, self.kv_storage_dtype, self.launch.cuda_devices)
         self._check_async_scheduling()
 
     def _check_async_scheduling(self):

@@ -35,6 +35,13 @@ class Launch(NamedTuple):
     replica: int
     tp_rank: int
 
+    @property
+    def cuda_devices(self) -> range:
+        """The CUDA device indices the engine of this process occupies on its host: a torchrun
+        process its own (``local_rank``); a spawned job ``0 .. world_size - 1`` (replica ``r``'s
+        tensor-parallel rank ``t`` on device ``r * tensor_parallel_size + t``)."""
+        return range(self.local_rank, self.local_rank + 1) if self.torchrun else range(self.world_size)
+
 
 def torchrun_environment() -> bool:
     """Whether torchrun started this process."""
