@@ -25,15 +25,19 @@ Settings, by name:
     quest-p{P}-b{B}-{max|sum}-d{D}    QUEST: pages of P tokens (16, 32, 64), a budget of B tokens
                                       per KV head and step, group score max or sum, the first D
                                       layers dense
+    quest-p{P}-b{B}-{max|sum}-w{W}-d{D}   the same with the radius weight W in [0, 1]
+    oracle-p{P}-b{B}-{max|sum}-d{D}   ORACLE: QUEST's options, pages chosen by their exact attention
+                                      mass (the ceiling of any page selector at that budget)
     streaming-p{P}-d{D}               STREAMING: sinks and the recent window only
-    ...-s{S}-r{R}                     (QUEST / STREAMING) S sink and R recent tokens instead of
+    ...-s{S}-r{R}                     (QUEST / ORACLE / STREAMING) S sink and R recent tokens instead of
                                       --sink-tokens / --recent-tokens
-    ...-host                          (QUEST / STREAMING) over the host tier: 2 GPU-tier blocks per
+    ...-host                          (QUEST / ORACLE / STREAMING) over the host tier: 2 GPU-tier blocks per
                                       sequence, the rest on the host, the reuse cache with the
                                       engine's default cells per pick for each batched sequence
     full-host-{N}                     FULL over the host tier with N ring slots, prompts of 4
                                       blocks (the block size grows with the length)
     xattn-{T}                         XATTN_BSA prefill at threshold T, no host tier
+    ...-fp8                           (any of the above) the KV cache in fp8 e4m3 (kv_cache_dtype)
 
 Without --settings the grid names them: FULL, and for --policies (QUEST, STREAMING) the values
 of --page-sizes, --budgets, --group-scores and --dense-layers (STREAMING takes only the page
@@ -98,10 +102,13 @@ being host-bound."""
 HOST_RING_SLOTS = 4
 """Ring slots of the choosing policies' ``-host`` settings (their dense layers read through it)."""
 
-_CHOOSING = re.compile(r"(?P<policy>quest|streaming)-p(?P<page>\d+)(?:-b(?P<budget>\d+)-(?P<score>max|sum))?"
+_CHOOSING = re.compile(r"(?P<policy>quest|oracle|streaming)-p(?P<page>\d+)"
+                       r"(?:-b(?P<budget>\d+)-(?P<score>max|sum)(?:-w(?P<weight>[01](?:\.\d+)?))?)?"
                        r"-d(?P<dense>\d+)(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
 _FULL_HOST = re.compile(r"full-host-(?P<slots>\d+)")
 _XATTN = re.compile(r"xattn-(?P<threshold>[0-9]*\.?[0-9]+)")
+FP8_SUFFIX = "-fp8"
+"""A setting's name ending in it: the same setting with ``kv_cache_dtype="fp8_e4m3"``."""
 
 
 # ---- settings ----------------------------------------------------------------------------
@@ -115,6 +122,8 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     Raises:
         ValueError: a name outside the grammar.
     """
+    if name.endswith(FP8_SUFFIX):
+        return setting_fields(name[:-len(FP8_SUFFIX)], sink_tokens, recent_tokens) | {"kv_cache_dtype": "fp8_e4m3"}
     if name == BASELINE:
         return {}
     if m := _FULL_HOST.fullmatch(name):
@@ -122,15 +131,20 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     if m := _XATTN.fullmatch(name):
         return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
     m = _CHOOSING.fullmatch(name)
-    if m is None or (m["policy"] == "quest") != (m["budget"] is not None):
-        raise ValueError(f"unknown setting {name!r}: expected full, quest-p<P>-b<B>-<max|sum>-d<D>[-s<S>-r<R>][-host], "
-                         f"streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>")
+    if m is None or (m["policy"] == "streaming") == (m["budget"] is not None):
+        raise ValueError(f"unknown setting {name!r}: expected full, <quest|oracle>-p<P>-b<B>-<max|sum>-d<D>[-s<S>-r<R>]"
+                         f"[-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>, each "
+                         f"optionally ending in {FP8_SUFFIX}")
     fields = dict(sparse_policy=m["policy"].upper(), sparse_page_size=int(m["page"]),
                   sparse_dense_layers=int(m["dense"]),
                   sparse_sink_tokens=int(m["sink"]) if m["sink"] else sink_tokens,
                   sparse_recent_tokens=int(m["recent"]) if m["recent"] else recent_tokens)
     if m["budget"] is not None:
         fields.update(sparse_token_budget=int(m["budget"]), sparse_group_score=m["score"])
+        if m["weight"] is not None:
+            if m["policy"] != "quest":
+                raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
+            fields["sparse_radius_weight"] = float(m["weight"])
     if m["host"]:
         fields.update(enable_offload=True, num_ring_slots=HOST_RING_SLOTS)
     return fields
@@ -178,11 +192,11 @@ def block_size(name: str, length: int, default: int) -> int:
 def make_settings(name: str, length: int, tasks: list[str], num_samples: int, block: int, sink: int, recent: int,
                   device: str = "auto", gpu_memory_utilization: float | None = None) -> RulerSettings:
     """The validated evaluation of ``name`` at ``length`` (all ``num_samples`` samples of a task
-    batched). A QUEST ``-host`` setting's reuse cache gets the engine's default cells per pick
+    batched). A QUEST / ORACLE ``-host`` setting's reuse cache gets the engine's default cells per pick
     (``DEFAULT_ROWS_PER_PICK`` per picked page and KV head) for each batched sequence, so that the
     reuse rate measures how much consecutive steps' picks overlap, not the cache's size."""
     fields = {k: v for k, v in setting_fields(name, sink, recent).items() if k != "blocks"}
-    if fields.get("sparse_policy") == "QUEST" and fields.get("enable_offload"):
+    if "sparse_token_budget" in fields and fields.get("enable_offload"):
         page = fields["sparse_page_size"]
         picks = math.ceil(fields["sparse_token_budget"] / page) * page  # QuestPolicy.decode_pick_limit
         fields["num_reuse_cache_blocks"] = math.ceil(DEFAULT_ROWS_PER_PICK * picks * num_samples / block)
@@ -246,6 +260,7 @@ def _line(name: str, length: int, report, seconds: float, samples: dict, options
                                  for row in decode.get("per_layer", [])],
             "decode_read_tokens": decode.get("read_tokens"), "decode_context_tokens": decode.get("context_tokens"),
             "generate_seconds": round(seconds, 1), "offload": report.offload, "dtype": report.dtype,
+            "kv_cache_dtype": report.settings.get("kv_cache_dtype", "auto"),
             "block_size": report.settings["block_size"],
             "outputs": {r.task: [o[:80] for o, s in zip(r.outputs, r.scores) if s < 1][:3] for r in report.results}}
 

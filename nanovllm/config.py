@@ -164,8 +164,9 @@ class Config:
             it fills), in (0, 1].
         sparse_policy: "FULL" (every block), "QUEST" (decode: pages chosen per KV head by key
             min/max bounds, in both tiers), "STREAMING" (decode: attention sinks and a recent
-            window) or "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al. 2025;
-            decode is full); see ``nanovllm.sparse`` and ``docs/sparse.md``.
+            window), "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al. 2025;
+            decode is full) or "ORACLE" (QUEST's choice by exact attention mass: a measurement,
+            not a speed-up); see ``nanovllm.sparse`` and ``docs/sparse.md``.
             ``LLM.get_sparse_stats()`` reports the densities.
         sparse_page_size: QUEST / STREAMING: tokens per page, the unit decode chooses and reads
             per KV head; 16, 32 or 64, dividing ``kvcache_block_size``.
@@ -177,6 +178,8 @@ class Config:
         sparse_dense_layers: QUEST / STREAMING: the first layers read every page, >= 0.
         sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "max" or
             "sum".
+        sparse_radius_weight: QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0
+            is Quest's upper bound of ``q . k``, 0.0 the score of the page's key-box center.
         sparse_topk_blocks: deprecated: ``sparse_token_budget = sparse_topk_blocks x
             kvcache_block_size`` (warns; giving both is a ValueError).
         num_reuse_cache_blocks: a choosing policy with the host tier: GPU blocks (of every layer)
@@ -233,6 +236,7 @@ class Config:
     sparse_recent_tokens: int = 256
     sparse_dense_layers: int = 0
     sparse_group_score: str = "max"
+    sparse_radius_weight: float = 1.0
     sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x kvcache_block_size
     num_reuse_cache_blocks: int = -1
     sparse_threshold: float = 0.97

@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
                  "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
-                 "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
-                 "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "enforce_eager",
+                 "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
+                 "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "kv_cache_dtype", "enforce_eager",
                  "gpu_memory_utilization")
 DEFAULT_TOKEN_BUDGET = 2048
 """The engine's ``sparse_token_budget`` default (``nanovllm.config.Config``)."""
@@ -44,6 +44,7 @@ class EngineSettings:
     sparse_recent_tokens: int = 256  # QUEST / STREAMING: always-read last tokens
     sparse_dense_layers: int = 0  # QUEST / STREAMING: the first layers read everything
     sparse_group_score: str = "max"  # QUEST: "max" or "sum" over a KV head's query heads
+    sparse_radius_weight: float = 1.0  # QUEST: 1.0 the key bound, 0.0 the key box's center
     sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x block_size (the engine warns)
     sparse_threshold: float = 0.97
     sparse_stride: int = 8
@@ -51,6 +52,7 @@ class EngineSettings:
     num_reuse_cache_blocks: int | None = None  # None: the engine's default (2 cells per page a sequence picks)
     device: str = "auto"
     dtype: str | None = None  # None: the engine's default (model dtype on GPU, float32 on CPU)
+    kv_cache_dtype: str = "auto"  # the KV cache's storage: "auto" (the compute dtype), "fp8", "fp8_e4m3", "fp8_e5m2"
     enforce_eager: bool = False
     gpu_memory_utilization: float | None = None  # None: the engine's default
 
@@ -64,6 +66,10 @@ class EngineSettings:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in (None, *DTYPE_CHOICES[1:]):
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        from nanovllm.utils.dtypes import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size % 256:
             raise ValueError(f"block-size must be a positive multiple of 256, got {self.block_size}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -117,6 +123,8 @@ class EngineSettings:
             raise ValueError(f"sparse-dense-layers must be an integer >= 0, got {self.sparse_dense_layers!r}")
         if self.sparse_group_score not in COMBINES:
             raise ValueError(f"sparse-group-score must be one of {list(COMBINES)}, got {self.sparse_group_score!r}")
+        if not (isinstance(self.sparse_radius_weight, (int, float)) and 0.0 <= self.sparse_radius_weight <= 1.0):
+            raise ValueError(f"sparse-radius-weight must be in [0, 1], got {self.sparse_radius_weight!r}")
         if not (isinstance(self.sparse_threshold, (int, float)) and math.isfinite(self.sparse_threshold)
                 and 0.0 <= self.sparse_threshold <= 1.0):
             raise ValueError(f"sparse-threshold must be in [0, 1], got {self.sparse_threshold!r}")
@@ -138,11 +146,12 @@ class EngineSettings:
         if max_model_len is None:
             max_model_len = self.max_model_len
         kw = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                  dtype=self.dtype, enforce_eager=self.enforce_eager, kvcache_block_size=self.block_size,
+                  dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, enforce_eager=self.enforce_eager,
+                  kvcache_block_size=self.block_size,
                   sparse_policy=self.sparse_policy, sparse_page_size=self.sparse_page_size,
                   sparse_token_budget=self.sparse_token_budget, sparse_sink_tokens=self.sparse_sink_tokens,
                   sparse_recent_tokens=self.sparse_recent_tokens, sparse_dense_layers=self.sparse_dense_layers,
-                  sparse_group_score=self.sparse_group_score,
+                  sparse_group_score=self.sparse_group_score, sparse_radius_weight=self.sparse_radius_weight,
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
         if self.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
@@ -198,6 +207,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--sparse-group-score", default=d["sparse_group_score"],
                    help=f"QUEST: how a KV head combines its query heads' page shares, max or sum "
                         f"(default {d['sparse_group_score']})")
+    p.add_argument("--sparse-radius-weight", type=float, default=d["sparse_radius_weight"],
+                   help=f"QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0 Quest's bound, 0.0 "
+                        f"the key box's center (default {d['sparse_radius_weight']})")
     p.add_argument("--sparse-topk-blocks", type=int, default=None,
                    help="deprecated: --sparse-token-budget = this x --block-size")
     p.add_argument("--num-reuse-cache-blocks", type=int, default=None,
@@ -214,9 +226,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: the model's dtype on GPU, float32 on CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=_kv_cache_dtypes(),
+                   help="the KV cache's storage dtype (auto: the compute dtype; fp8 = fp8_e4m3)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU this process may use (default: the engine's)")
+
+
+def _kv_cache_dtypes() -> list[str]:
+    from nanovllm.utils.dtypes import KV_CACHE_DTYPES
+
+    return list(KV_CACHE_DTYPES)
 
 
 def _policy_names() -> list[str]:

@@ -10,7 +10,7 @@ import torch
 
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, generate_with_logits, greedy, random_prompt
-from nanovllm.ops.quest_scores import page_bounds, page_bounds_ref, page_scores, top_pages
+from nanovllm.ops.quest_scores import box_scores, page_bounds, page_bounds_ref, page_scores, top_pages
 from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
 from nanovllm.sparse.choosing import ChoosingPolicy
 
@@ -52,6 +52,23 @@ def test_page_scores_combine_each_query_heads_shares_within_its_group(combine):
     assert torch.allclose(scores[1, :, :3], expected[1, :, :3]) and torch.isneginf(scores[1, :, 3:]).all()
     with pytest.raises(ValueError, match="combine must be one of"):
         page_scores(bounds, 0.5, 2, "mean")
+
+
+def test_box_scores_move_from_the_bound_to_the_center_with_the_radius_weight():
+    _, kmin, kmax = _keys_and_bounds(6, 16, 2, 8)
+    q = torch.randn(2, 4, 8)
+    pages = torch.tensor([[0, 2, 5, -1], [1, 3, 4, 0]])
+    upper = page_bounds_ref(q, kmin, kmax, pages)
+    assert torch.equal(box_scores(q, kmin, kmax, pages, 1.0), upper)
+    center = page_bounds_ref(q, (kmin + kmax) / 2, (kmin + kmax) / 2, pages)  # q . c
+    assert torch.allclose(box_scores(q, kmin, kmax, pages, 0.0), center, atol=1e-5, equal_nan=True)
+    radius = upper - center  # |q| . r
+    got = box_scores(q, kmin, kmax, pages, 0.25)
+    finite = torch.isfinite(upper)
+    assert torch.allclose(got[finite], (center + 0.25 * radius)[finite], atol=1e-5)
+    assert torch.isneginf(got[~finite]).all()
+    with pytest.raises(ValueError, match="radius_weight must be in"):
+        box_scores(q, kmin, kmax, pages, 1.5)
 
 
 def test_top_pages_takes_each_heads_best_and_marks_missing_picks():
@@ -158,6 +175,8 @@ def test_options_are_checked(qwen3_dir):
                        (dict(sparse_recent_tokens=-1), r"sparse_recent_tokens must be in \[0, 1024\]"),
                        (dict(sparse_dense_layers=-1), "sparse_dense_layers must be >= 0"),
                        (dict(sparse_group_score="mean"), "sparse_group_score must be one of"),
+                       (dict(sparse_radius_weight=-0.5), r"sparse_radius_weight must be a number in \[0, 1\]"),
+                       (dict(sparse_radius_weight=0.5), None),
                        (dict(sparse_topk_blocks=2, sparse_token_budget=100), "both set the budget")):
         if match is None:
             Config(qwen3_dir, **quest, **bad)

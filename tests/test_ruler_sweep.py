@@ -25,6 +25,21 @@ def test_setting_names_parse_and_reject():
         rs.setting_fields("quest-p16-d0")  # QUEST needs a budget
     with pytest.raises(ValueError, match="unknown setting"):
         rs.setting_fields("streaming-p16-b2048-max-d0")
+    oracle = rs.setting_fields("oracle-p16-b2944-max-d0")
+    assert oracle["sparse_policy"] == "ORACLE" and oracle["sparse_token_budget"] == 2944
+    with pytest.raises(ValueError, match="unknown setting 'oracle-p16-d0'"):
+        rs.setting_fields("oracle-p16-d0")  # ORACLE needs a budget
+    assert rs.setting_fields("quest-p16-b2048-max-w0.5-d0")["sparse_radius_weight"] == 0.5
+    assert "sparse_radius_weight" not in rs.setting_fields("quest-p16-b2048-max-d0")
+    with pytest.raises(ValueError, match="the radius weight"):
+        rs.setting_fields("oracle-p16-b2048-max-w0.5-d0")
+    assert rs.setting_fields("full-fp8") == {"kv_cache_dtype": "fp8_e4m3"}
+    fp8 = rs.setting_fields("quest-p16-b2048-max-d0-host-fp8")
+    assert fp8 == rs.setting_fields("quest-p16-b2048-max-d0-host") | {"kv_cache_dtype": "fp8_e4m3"}
+    settings = rs.make_settings("oracle-p16-b1024-max-d0-host-fp8", 4096, ["niah_single_1"], 2, 1024, 16, 256,
+                                device="cpu")
+    assert settings.kv_cache_dtype == "fp8_e4m3" and settings.num_reuse_cache_blocks == 4, "reuse cells for its picks"
+    assert settings.engine_kwargs()["kv_cache_dtype"] == "fp8_e4m3"
 
 
 def test_paired_difference_is_mean_and_standard_error_of_per_sample_differences():

@@ -119,6 +119,35 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: 
     return bounds
 
 
+def box_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+               radius_weight: float) -> torch.Tensor:
+    """Each candidate page's score of ``q`` over the box of its keys, per query head:
+    ``q . c + radius_weight * |q| . r`` with the box's center ``c = (kmin + kmax) / 2`` and radius
+    ``r = (kmax - kmin) / 2``. ``radius_weight`` 1.0 is QUEST's upper bound (:func:`page_bounds`),
+    0.0 the center's score; in between, a bound shrunk towards the center (the bound counts every
+    dimension's extreme, which no single key of the page reaches at once).
+
+    Args: as :func:`page_bounds`; radius_weight in [0, 1].
+
+    Returns:
+        float32 ``[S, C, Hq]``, -inf where ``pages`` is -1.
+
+    Raises:
+        ValueError: as :func:`page_bounds`, or radius_weight outside [0, 1].
+
+    The score is ``(1 + w) / 2 * upper + (1 - w) / 2 * lower`` with the box's upper and lower
+    bounds of ``q . k``; the lower bound is :func:`page_bounds` with kmin and kmax swapped (a second
+    launch, skipped when ``w`` is 1).
+    """
+    if not 0.0 <= radius_weight <= 1.0:
+        raise ValueError(f"radius_weight must be in [0, 1], got {radius_weight!r}")
+    upper = page_bounds(q, kmin, kmax, pages)
+    if radius_weight == 1.0:
+        return upper
+    lower = page_bounds(q, kmax, kmin, pages)
+    return upper * ((1.0 + radius_weight) / 2) + lower * ((1.0 - radius_weight) / 2)
+
+
 def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str) -> torch.Tensor:
     """One score per (KV head, candidate page) from its query heads' bounds (module docstring).
 

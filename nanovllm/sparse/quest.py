@@ -6,7 +6,8 @@ the element-wise minimum and maximum of the page's keys (``[Hkv, D]`` each, on t
 the blocks of both tiers (indexed by metadata page, see ``policy.py``): computed from the GPU cache
 when a page becomes full (an fp8 cache's keys dequantized), copied along when the block is spilled to the host tier and back
 when it is loaded into the GPU tier. Per layer, every KV head scores its candidate pages from its
-query heads' upper bounds of ``q . k`` (each head's bounds as a softmax over the candidates,
+query heads' upper bounds of ``q . k`` (optionally shrunk towards the key box's center by
+``radius_weight``; each head's bounds as a softmax over the candidates,
 combined over the GQA group by ``group_score``: "max" or "sum"; ``nanovllm.ops.quest_scores``)
 and reads its ``budget_pages`` best, besides the sink, recent and current pages every sequence
 reads (``choosing.py``). Each rank of a tensor-parallel engine chooses for its own KV heads, so no scores are exchanged. Prefill is dense.
@@ -15,7 +16,7 @@ import math
 
 import torch
 
-from nanovllm.ops.quest_scores import COMBINES, page_bounds, page_scores, top_pages
+from nanovllm.ops.quest_scores import COMBINES, box_scores, page_scores, top_pages
 from nanovllm.sparse.choosing import ChoosingPolicy
 from nanovllm.sparse.policy import DecodeCandidates, register_policy
 from nanovllm.utils.checks import check_range
@@ -24,24 +25,28 @@ from nanovllm.utils.checks import check_range
 @register_policy
 class QuestPolicy(ChoosingPolicy):
     """Args: as :class:`~nanovllm.sparse.choosing.ChoosingPolicy`, and group_score ("max" or "sum":
-    how a KV head combines its query heads' page shares).
+    how a KV head combines its query heads' page shares), radius_weight (in [0, 1]: 1.0 scores a
+    page by Quest's upper bound, less shrinks the bound towards the key box's center;
+    :func:`~nanovllm.ops.quest_scores.box_scores`).
 
     Raises:
-        ValueError: a value out of range (budget_tokens < 1, group_score not "max" or "sum", as
-            :class:`ChoosingPolicy`).
+        ValueError: a value out of range (budget_tokens < 1, group_score not "max" or "sum",
+            radius_weight outside [0, 1], as :class:`ChoosingPolicy`).
     """
 
     name = "QUEST"
-    options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_group_score")
+    options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_group_score", "sparse_radius_weight")
     needs_block_metadata = True
 
     def __init__(self, scale: float, page_size: int = 16, budget_tokens: int = 2048, sink_tokens: int = 16,
-                 recent_tokens: int = 256, dense_layers: int = 0, group_score: str = "max"):
+                 recent_tokens: int = 256, dense_layers: int = 0, group_score: str = "max",
+                 radius_weight: float = 1.0):
         check_range("sparse_token_budget", budget_tokens, 1)
         if group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {group_score!r}")
+        _check_radius_weight(radius_weight)
         super().__init__(scale, page_size, budget_tokens, sink_tokens, recent_tokens, dense_layers)
-        self.group_score = group_score
+        self.group_score, self.radius_weight = group_score, float(radius_weight)
         self.kmin = self.kmax = None
         self.num_gpu_blocks = 0
 
@@ -51,11 +56,13 @@ class QuestPolicy(ChoosingPolicy):
         check_range("sparse_token_budget", config.sparse_token_budget, 1)
         if config.sparse_group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {config.sparse_group_score!r}")
+        _check_radius_weight(config.sparse_radius_weight)
 
     @classmethod
     def from_config(cls, config, scale: float) -> "QuestPolicy":
         return cls(scale, config.sparse_page_size, config.sparse_token_budget, config.sparse_sink_tokens,
-                   config.sparse_recent_tokens, config.sparse_dense_layers, config.sparse_group_score)
+                   config.sparse_recent_tokens, config.sparse_dense_layers, config.sparse_group_score,
+                   config.sparse_radius_weight)
 
     @classmethod
     def decode_pick_limit(cls, config) -> int:
@@ -78,16 +85,26 @@ class QuestPolicy(ChoosingPolicy):
         self.kmin[:, gpu_ids] = pages.amin(3)
         self.kmax[:, gpu_ids] = pages.amax(3)
 
+    def metadata(self) -> tuple[torch.Tensor, ...]:
+        """The per-page metadata tensors, each indexed ``[layer, metadata slot, ...]`` (moved
+        with their blocks by :meth:`on_spill` and :meth:`on_load`)."""
+        return (self.kmin, self.kmax)
+
     def on_spill(self, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
-        for bounds in (self.kmin, self.kmax):
-            bounds[:, self.num_gpu_blocks + host_ids] = bounds[:, gpu_ids]
+        for tensor in self.metadata():
+            tensor[:, self.num_gpu_blocks + host_ids] = tensor[:, gpu_ids]
 
     def on_load(self, host_ids: torch.Tensor, gpu_ids: torch.Tensor) -> None:
-        for bounds in (self.kmin, self.kmax):
-            bounds[:, gpu_ids] = bounds[:, self.num_gpu_blocks + host_ids]
+        for tensor in self.metadata():
+            tensor[:, gpu_ids] = tensor[:, self.num_gpu_blocks + host_ids]
 
     # ---- choice ------------------------------------------------------------------------
     def select_decode_pages(self, layer: int, q: torch.Tensor, candidates: DecodeCandidates) -> torch.Tensor:
         kmin, kmax = self.kmin[layer].flatten(0, 1), self.kmax[layer].flatten(0, 1)  # [metadata pages, Hkv, D]
-        bounds = page_bounds(q, kmin, kmax, candidates.pages)
+        bounds = box_scores(q, kmin, kmax, candidates.pages, self.radius_weight)
         return top_pages(page_scores(bounds, self.scale, kmin.shape[1], self.group_score), self.budget_pages)
+
+
+def _check_radius_weight(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"sparse_radius_weight must be a number in [0, 1], got {value!r}")

@@ -1,0 +1,83 @@
+"""ORACLE (nanovllm/sparse/oracle.py): decode pages chosen by their exact attention mass. The
+choice against a brute-force computation, its key copies across tiers, FULL's tokens and logits
+when the budget covers the context, the same picks over the host tier as in the GPU tier."""
+import pytest
+import torch
+
+from _util import build_llm, generate_with_logits, greedy, random_prompt
+from nanovllm.sparse import DecodeCandidates, OraclePolicy
+
+
+def _policy(**kw):
+    opts = dict(page_size=16, budget_tokens=48, sink_tokens=16, recent_tokens=16)
+    opts.update(kw)
+    return OraclePolicy(0.3, **opts)
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_picks_are_the_pages_with_the_most_attention_mass(combine):
+    """Per KV head: each query head's softmax over every key of the candidates, summed per page,
+    combined over the group (max or sum); the budget's best pages, best first."""
+    policy = _policy(group_score=combine)
+    layers, blocks, block, heads_kv, heads_q, dim = 2, 3, 64, 2, 6, 8
+    policy.allocate(layers, block, heads_kv, dim, torch.float32, torch.device("cpu"), blocks, 0)
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(layers, blocks, block, heads_kv, dim, generator=gen) * 2
+    policy.on_pages_full(keys, torch.arange(blocks))
+    pages = torch.tensor([[1, 2, 3, 5, 6, 7, 9, 10, 11], [4, 5, 6, 8, -1, -1, -1, -1, -1]])
+    q = torch.randn(2, heads_q, dim, generator=gen)
+    picks = policy.select_decode_pages(1, q, DecodeCandidates([0, 1], pages, first=1, num_kv_heads=heads_kv))
+    page_keys = keys[1].reshape(blocks * block // 16, 16, heads_kv, dim)
+    group = heads_q // heads_kv
+    for s in range(2):
+        valid = [p for p in pages[s].tolist() if p >= 0]
+        for h in range(heads_kv):
+            shares = []
+            for g in range(group):
+                logits = torch.stack([page_keys[p, :, h] @ q[s, h * group + g] for p in valid]) * 0.3  # [C, 16]
+                shares.append(torch.softmax(logits.flatten(), 0).view(len(valid), 16).sum(1))
+            shares = torch.stack(shares)
+            score = shares.amax(0) if combine == "max" else shares.sum(0)
+            expected = score.topk(min(3, len(valid))).indices.tolist()
+            got = [c for c in picks[s, h].tolist() if c >= 0]
+            assert got == expected, (s, h)
+    assert (picks[1] >= 0).sum(1).tolist() == [3, 3] and picks.shape == (2, heads_kv, 3)
+
+
+def test_key_copies_follow_their_blocks_between_tiers():
+    policy = _policy()
+    policy.allocate(2, 64, 2, 8, torch.float32, torch.device("cpu"), 3, 4)
+    keys = torch.randn(2, 1, 64, 2, 8)
+    policy.on_pages_full(keys, torch.tensor([1]))
+    assert torch.equal(policy.keys[:, 1].flatten(1, 2), keys[:, 0])
+    policy.on_spill(torch.tensor([1]), torch.tensor([2]))
+    assert torch.equal(policy.keys[:, 3 + 2], policy.keys[:, 1]), "host block 2 is metadata slot 3 + 2"
+    policy.on_load(torch.tensor([2]), torch.tensor([0]))
+    assert torch.equal(policy.keys[:, 0], policy.keys[:, 1])
+    assert policy.metadata_bytes_per_block(2, 64, 2, 8, torch.float32) == 2 * 64 * 2 * 8 * 4
+
+
+def test_a_budget_covering_the_context_gives_full_tokens_and_logits(qwen3_dir):
+    prompts = [random_prompt(n, seed=700 + n) for n in (500, 900)]
+    with build_llm(qwen3_dir) as full:
+        ref = generate_with_logits(full, prompts, 8)
+    with build_llm(qwen3_dir, sparse_policy="ORACLE", sparse_token_budget=1024, sparse_sink_tokens=16,
+                   sparse_recent_tokens=16) as llm:
+        got = generate_with_logits(llm, prompts, 8)
+    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
+
+
+def test_over_the_host_tier_it_reads_what_it_reads_in_the_gpu_tier(qwen3_dir):
+    """A small budget (it selects): the same tokens and logits with the prompts' blocks spilled to
+    the host tier as with everything in the GPU tier (the key copies move with the blocks)."""
+    prompts = [random_prompt(n, seed=800 + n) for n in (1200, 1400)]
+    opts = dict(max_model_len=1536, sparse_policy="ORACLE", sparse_token_budget=64, sparse_sink_tokens=16,
+                sparse_recent_tokens=32)
+    with build_llm(qwen3_dir, **opts) as gpu:
+        ref = generate_with_logits(gpu, prompts, 8)
+        assert gpu.get_sparse_stats()["decode"]["density"] < 0.2
+    with build_llm(qwen3_dir, enable_cpu_offload=True, num_kvcache_blocks=6, num_ring_slots=2,
+                   num_cpu_kvcache_blocks=16, **opts) as tiered:
+        got = generate_with_logits(tiered, prompts, 8)
+        assert tiered.get_kv_cache_stats()["spilled_blocks"] > 0
+    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
