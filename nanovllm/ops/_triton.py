@@ -216,3 +216,23 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc, scale_log2,
+                               DOT_PRECISION: tl.constexpr):
+    """:func:`online_softmax_step` over a tile of fp8 keys and values ``k``, ``v`` ``[N, D]`` with
+    per-token float32 scales ``k_scale``, ``v_scale`` ``[N]`` (a key is ``k_n * k_scale_n``), from the
+    query ``q`` ``[M, D]``; ``n_mask`` ``[N]``: the tile's visible keys. The scales multiply the
+    scores and the probabilities, not the tile: ``q . (s_n k_n) = s_n (q . k_n)`` and
+    ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile is only converted to q's dtype, which
+    holds every fp8 e4m3 / e5m2 value exactly. Returns the new ``(m_i, l_i, acc)``."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

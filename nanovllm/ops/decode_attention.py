@@ -16,7 +16,7 @@ import functools
 import torch
 
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, interpreted, next_pow2,
-                      online_softmax_step, tl, triton, use_triton)
+                      online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
 from .kv_quant import dequantize
@@ -93,8 +93,9 @@ def _decode_tile(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
-    ``[BLOCK_N]``: each token's cache block. ``SCALED``: fp8 keys and values, dequantized in
-    registers by their per-token scales (``ks_ptr``, ``vs_ptr``: this KV head's)."""
+    ``[BLOCK_N]``: each token's cache block. ``SCALED``: fp8 keys and values with per-token scales
+    (``ks_ptr``, ``vs_ptr``: this KV head's), applied to the scores and probabilities
+    (:func:`scaled_online_softmax_step`)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
@@ -106,8 +107,9 @@ def _decode_tile(
                 mask=kv_mask, other=0.0)
     if SCALED:
         slots = block * stride_sb + offset * stride_ss
-        k = (k.to(tl.float32) * tl.load(ks_ptr + slots, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
-        v = (v.to(tl.float32) * tl.load(vs_ptr + slots, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
+        return scaled_online_softmax_step(q, k, v, tl.load(ks_ptr + slots, mask=n_mask, other=0.0),
+                                          tl.load(vs_ptr + slots, mask=n_mask, other=0.0), n_mask, m_i, l_i, acc,
+                                          scale_log2, DOT_PRECISION)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)

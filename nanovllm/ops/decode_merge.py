@@ -13,7 +13,7 @@ a second launch.
 import torch
 
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2,
-                      online_softmax_step, tl, triton, use_triton)
+                      online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 from .kv_quant import check_scales, dequantize
 
@@ -69,15 +69,17 @@ def decode_attend_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 def _tile(q, k_head, v_head, ks_head, vs_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2, stride_kn,
           stride_vn, stride_sn, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys); ``SCALED``:
-    fp8 keys and values dequantized in registers by their per-token scales (this KV head's)."""
+    fp8 keys and values with per-token scales (this KV head's), applied to the scores and
+    probabilities (:func:`scaled_online_softmax_step`)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
     if SCALED:
-        k = (k.to(tl.float32) * tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
-        v = (v.to(tl.float32) * tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
+        return scaled_online_softmax_step(q, k, v, tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0),
+                                          tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0), n_mask, m_i, l_i,
+                                          acc, scale_log2, DOT_PRECISION)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     s = tl.where(n_mask[None, :], s, float("-inf"))
     return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
