@@ -105,14 +105,16 @@ def _decode_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
                 mask=kv_mask, other=0.0)
-    if SCALED:
+    if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
         slots = block * stride_sb + offset * stride_ss
-        return scaled_online_softmax_step(q, k, v, tl.load(ks_ptr + slots, mask=n_mask, other=0.0),
-                                          tl.load(vs_ptr + slots, mask=n_mask, other=0.0), n_mask, m_i, l_i, acc,
-                                          scale_log2, DOT_PRECISION)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_ptr + slots, mask=n_mask, other=0.0),
+                                                   tl.load(vs_ptr + slots, mask=n_mask, other=0.0), n_mask, m_i, l_i,
+                                                   acc, scale_log2, DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit

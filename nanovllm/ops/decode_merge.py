@@ -76,13 +76,15 @@ def _tile(q, k_head, v_head, ks_head, vs_head, n0, num_keys, m_i, l_i, acc, d, d
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
-    if SCALED:
-        return scaled_online_softmax_step(q, k, v, tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0),
-                                          tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0), n_mask, m_i, l_i,
-                                          acc, scale_log2, DOT_PRECISION)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
+        m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0),
+                                                   tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0), n_mask,
+                                                   m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_keys", "keys_per_split"])
