@@ -26,6 +26,8 @@ Settings, by name:
                                       per KV head and step, group score max or sum, the first D
                                       layers dense
     quest-p{P}-b{B}-{max|sum}-w{W}-d{D}   the same with the radius weight W in [0, 1]
+    moments-p{P}-b{B}-{max|sum}-d{D}  MOMENTS: QUEST's options, pages chosen by a Gaussian estimate of
+                                      their attention mass from their keys' mean and variance
     oracle-p{P}-b{B}-{max|sum}-d{D}   ORACLE: QUEST's options, pages chosen by their exact attention
                                       mass (the ceiling of any page selector at that budget)
     streaming-p{P}-d{D}               STREAMING: sinks and the recent window only
@@ -102,7 +104,7 @@ being host-bound."""
 HOST_RING_SLOTS = 4
 """Ring slots of the choosing policies' ``-host`` settings (their dense layers read through it)."""
 
-_CHOOSING = re.compile(r"(?P<policy>quest|oracle|streaming)-p(?P<page>\d+)"
+_CHOOSING = re.compile(r"(?P<policy>quest|moments|oracle|streaming)-p(?P<page>\d+)"
                        r"(?:-b(?P<budget>\d+)-(?P<score>max|sum)(?:-w(?P<weight>[01](?:\.\d+)?))?)?"
                        r"-d(?P<dense>\d+)(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
 _FULL_HOST = re.compile(r"full-host-(?P<slots>\d+)")
@@ -132,8 +134,8 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
         return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
     m = _CHOOSING.fullmatch(name)
     if m is None or (m["policy"] == "streaming") == (m["budget"] is not None):
-        raise ValueError(f"unknown setting {name!r}: expected full, <quest|oracle>-p<P>-b<B>-<max|sum>-d<D>[-s<S>-r<R>]"
-                         f"[-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>, each "
+        raise ValueError(f"unknown setting {name!r}: expected full, <quest|moments|oracle>-p<P>-b<B>-<max|sum>-d<D>"
+                         f"[-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>, each "
                          f"optionally ending in {FP8_SUFFIX}")
     fields = dict(sparse_policy=m["policy"].upper(), sparse_page_size=int(m["page"]),
                   sparse_dense_layers=int(m["dense"]),

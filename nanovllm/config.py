@@ -165,8 +165,9 @@ class Config:
         sparse_policy: "FULL" (every block), "QUEST" (decode: pages chosen per KV head by key
             min/max bounds, in both tiers), "STREAMING" (decode: attention sinks and a recent
             window), "XATTN_BSA" (prefill: XAttention block-sparse attention, Xu et al. 2025;
-            decode is full) or "ORACLE" (QUEST's choice by exact attention mass: a measurement,
-            not a speed-up); see ``nanovllm.sparse`` and ``docs/sparse.md``.
+            decode is full), "MOMENTS" (QUEST's plan, pages scored by a Gaussian estimate of their
+            attention mass from their keys' mean and variance) or "ORACLE" (QUEST's choice by
+            exact attention mass: a measurement, not a speed-up); see ``docs/sparse.md``.
             ``LLM.get_sparse_stats()`` reports the densities.
         sparse_page_size: QUEST / STREAMING: tokens per page, the unit decode chooses and reads
             per KV head; 16, 32 or 64, dividing ``kvcache_block_size``.

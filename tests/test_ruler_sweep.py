@@ -31,6 +31,7 @@ def test_setting_names_parse_and_reject():
         rs.setting_fields("oracle-p16-d0")  # ORACLE needs a budget
     assert rs.setting_fields("quest-p16-b2048-max-w0.5-d0")["sparse_radius_weight"] == 0.5
     assert "sparse_radius_weight" not in rs.setting_fields("quest-p16-b2048-max-d0")
+    assert rs.setting_fields("moments-p16-b2048-sum-d0")["sparse_policy"] == "MOMENTS"
     with pytest.raises(ValueError, match="the radius weight"):
         rs.setting_fields("oracle-p16-b2048-max-w0.5-d0")
     assert rs.setting_fields("full-fp8") == {"kv_cache_dtype": "fp8_e4m3"}

@@ -343,11 +343,11 @@ def test_model_or_tokenizer_path_that_is_a_file(qwen3_dir, llm, what):
 
 
 @pytest.mark.parametrize("policy, option, value, reader", [
-    ("FULL", "sparse_token_budget", 512, "'QUEST' or 'ORACLE'"),
+    ("FULL", "sparse_token_budget", 512, "'QUEST' or 'MOMENTS' or 'ORACLE'"),
     ("ORACLE", "sparse_radius_weight", 0.5, "'QUEST'"),
     ("FULL", "sparse_threshold", 0.5, "'XATTN_BSA'"),
     ("QUEST", "sparse_stride", 16, "'XATTN_BSA'"),
-    ("XATTN_BSA", "sparse_page_size", 32, "'QUEST' or 'STREAMING' or 'ORACLE'"),
+    ("XATTN_BSA", "sparse_page_size", 32, "'QUEST' or 'STREAMING' or 'MOMENTS' or 'ORACLE'"),
 ])
 def test_sparse_option_of_another_policy(qwen3_dir, llm, policy, option, value, reader):
     with pytest.raises(ValueError, match=rf"{option}={value!r} is read by sparse_policy={reader} only, but "

@@ -1,5 +1,6 @@
 """Sparse-attention policies: which KV blocks attention reads (``policy.py``: the interface and
-the registry; importing this package registers FULL, QUEST, STREAMING, XATTN_BSA and ORACLE)."""
+the registry; importing this package registers FULL, QUEST, STREAMING, XATTN_BSA, MOMENTS
+and ORACLE)."""
 from nanovllm.sparse.full import FullAttentionPolicy
 from nanovllm.sparse.policy import (DecodeCandidates, SparsePolicy, choosing_policy_names, create_policy, policy_class,
                                     policy_names, register_policy, registered_policies)
@@ -7,8 +8,9 @@ from nanovllm.sparse.quest import QuestPolicy
 from nanovllm.sparse.stats import SparseStats
 from nanovllm.sparse.streaming import StreamingPolicy
 from nanovllm.sparse.xattn import XAttentionBSAPolicy
+from nanovllm.sparse.moments import MomentsPolicy
 from nanovllm.sparse.oracle import OraclePolicy  # registered last: a measurement, not a default
 
-__all__ = ["DecodeCandidates", "FullAttentionPolicy", "OraclePolicy", "QuestPolicy", "SparsePolicy", "SparseStats",
-           "StreamingPolicy", "XAttentionBSAPolicy", "choosing_policy_names", "create_policy", "policy_class", "policy_names",
-           "register_policy", "registered_policies"]
+__all__ = ["DecodeCandidates", "FullAttentionPolicy", "MomentsPolicy", "OraclePolicy", "QuestPolicy", "SparsePolicy",
+           "SparseStats", "StreamingPolicy", "XAttentionBSAPolicy", "choosing_policy_names", "create_policy", "policy_class",
+           "policy_names", "register_policy", "registered_policies"]
