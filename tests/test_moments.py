@@ -1,11 +1,10 @@
 """MOMENTS (nanovllm/sparse/moments.py): decode pages chosen by a Gaussian estimate of their
 attention mass from their keys' mean and variance. The estimate and the choice against a direct
 computation, the moments across tiers, FULL's tokens and logits when the budget covers the
-context, the same picks over the host tier as in the GPU tier."""
+context and over the host tier: tests/test_page_scorers.py."""
 import pytest
 import torch
 
-from _util import build_llm, generate_with_logits, random_prompt
 from nanovllm.sparse import DecodeCandidates, MomentsPolicy
 
 
@@ -68,27 +67,3 @@ def test_moments_follow_their_blocks_between_tiers():
     policy.on_load(torch.tensor([2]), torch.tensor([0]))
     assert torch.equal(policy.mean[:, 0], policy.mean[:, 1])
     assert policy.metadata_bytes_per_block(2, 64, 2, 8, torch.float32) == 2 * 2 * 4 * 2 * 8 * 4
-
-
-def test_a_budget_covering_the_context_gives_full_tokens_and_logits(qwen3_dir):
-    prompts = [random_prompt(n, seed=900 + n) for n in (500, 900)]
-    with build_llm(qwen3_dir) as full:
-        ref = generate_with_logits(full, prompts, 8)
-    with build_llm(qwen3_dir, sparse_policy="MOMENTS", sparse_token_budget=1024, sparse_sink_tokens=16,
-                   sparse_recent_tokens=16) as llm:
-        got = generate_with_logits(llm, prompts, 8)
-    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
-
-
-def test_over_the_host_tier_it_reads_what_it_reads_in_the_gpu_tier(qwen3_dir):
-    prompts = [random_prompt(n, seed=950 + n) for n in (1200, 1400)]
-    opts = dict(max_model_len=1536, sparse_policy="MOMENTS", sparse_token_budget=64, sparse_sink_tokens=16,
-                sparse_recent_tokens=32)
-    with build_llm(qwen3_dir, **opts) as gpu:
-        ref = generate_with_logits(gpu, prompts, 8)
-        assert gpu.get_sparse_stats()["decode"]["density"] < 0.2
-    with build_llm(qwen3_dir, enable_cpu_offload=True, num_kvcache_blocks=6, num_ring_slots=2,
-                   num_cpu_kvcache_blocks=16, **opts) as tiered:
-        got = generate_with_logits(tiered, prompts, 8)
-        assert tiered.get_kv_cache_stats()["spilled_blocks"] > 0
-    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))

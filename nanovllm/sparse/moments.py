@@ -55,5 +55,5 @@ class MomentsPolicy(QuestPolicy):
         mean, var = self.mean[layer].flatten(0, 1), self.var[layer].flatten(0, 1)  # [metadata pages, Hkv, D]
         logits = page_bounds(q, mean, mean, candidates.pages)  # q . mu
         spread = page_bounds(q * q, var, var, candidates.pages)  # q^2 . var
-        logits = logits + spread.nan_to_num(0.0, neginf=0.0) * (0.5 * self.scale)  # in page_bounds' units
+        logits = logits + spread * (0.5 * self.scale)  # in page_bounds' units; -inf stays -inf
         return top_pages(page_scores(logits, self.scale, mean.shape[1], self.group_score), self.budget_pages)
