@@ -81,8 +81,9 @@ def _engine_kwargs(args, mode: str) -> dict:
     if args.num_kvcache_blocks is not None:
         kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks
     if mode != "gpu":
-        kwargs.update(enable_cpu_offload=True, num_ring_slots=args.num_ring_slots,
-                      num_cpu_kvcache_blocks=args.num_cpu_kvcache_blocks)
+        kwargs.update(enable_cpu_offload=True, num_cpu_kvcache_blocks=args.num_cpu_kvcache_blocks)
+        if args.num_ring_slots is not None:
+            kwargs["num_ring_slots"] = args.num_ring_slots
     chooses = policy_class(policy).chooses_decode_pages
     if mode == "tiered" and chooses:
         kwargs["num_reuse_cache_blocks"] = args.num_reuse_cache_blocks
@@ -225,7 +226,7 @@ def main():
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="force the GPU tier (both modes)")
     parser.add_argument("--num-cpu-kvcache-blocks", type=int, default=-1,
                         help="host tier blocks (-1: sized by the engine)")
-    parser.add_argument("--num-ring-slots", type=int, default=4)
+    parser.add_argument("--num-ring-slots", type=int, default=None, help="host tier ring slots (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk")
     parser.add_argument("--sparse-policy", default="FULL", type=str.upper, choices=policy_names())
     parser.add_argument("--sparse-page-size", type=int, choices=(16, 32, 64),

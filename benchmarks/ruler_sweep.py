@@ -36,6 +36,8 @@ Settings, by name:
     ...-host                          (QUEST / ORACLE / STREAMING) over the host tier: 2 GPU-tier blocks per
                                       sequence, the rest on the host, the reuse cache with the
                                       engine's default cells per pick for each batched sequence
+    full-host                         FULL over the host tier (2 GPU-tier blocks per sequence, the
+                                      engine's default ring: a layer's blocks folded in groups)
     full-host-{N}                     FULL over the host tier with N ring slots, prompts of 4
                                       blocks (the block size grows with the length)
     xattn-{T}                         XATTN_BSA prefill at threshold T, no host tier
@@ -101,13 +103,11 @@ FULL_HOST_BLOCKS = 4
 are read from the host through the ring, the partial last one is the one written): decode over the
 ring costs host time per block, sequence and layer, so few blocks keep a small model's decode from
 being host-bound."""
-HOST_RING_SLOTS = 4
-"""Ring slots of the choosing policies' ``-host`` settings (their dense layers read through it)."""
 
 _CHOOSING = re.compile(r"(?P<policy>quest|moments|oracle|streaming)-p(?P<page>\d+)"
                        r"(?:-b(?P<budget>\d+)-(?P<score>max|sum)(?:-w(?P<weight>[01](?:\.\d+)?))?)?"
                        r"-d(?P<dense>\d+)(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
-_FULL_HOST = re.compile(r"full-host-(?P<slots>\d+)")
+_FULL_HOST = re.compile(r"full-host(?:-(?P<slots>\d+))?")
 _XATTN = re.compile(r"xattn-(?P<threshold>[0-9]*\.?[0-9]+)")
 FP8_SUFFIX = "-fp8"
 """A setting's name ending in it: the same setting with ``kv_cache_dtype="fp8_e4m3"``."""
@@ -129,13 +129,15 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     if name == BASELINE:
         return {}
     if m := _FULL_HOST.fullmatch(name):
+        if m["slots"] is None:
+            return dict(enable_offload=True)
         return dict(enable_offload=True, num_ring_slots=int(m["slots"]), blocks=FULL_HOST_BLOCKS)
     if m := _XATTN.fullmatch(name):
         return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
     m = _CHOOSING.fullmatch(name)
     if m is None or (m["policy"] == "streaming") == (m["budget"] is not None):
         raise ValueError(f"unknown setting {name!r}: expected full, <quest|moments|oracle>-p<P>-b<B>-<max|sum>-d<D>"
-                         f"[-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host-<N> or xattn-<T>, each "
+                         f"[-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host[-<N>] or xattn-<T>, each "
                          f"optionally ending in {FP8_SUFFIX}")
     fields = dict(sparse_policy=m["policy"].upper(), sparse_page_size=int(m["page"]),
                   sparse_dense_layers=int(m["dense"]),
@@ -148,7 +150,7 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
                 raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
             fields["sparse_radius_weight"] = float(m["weight"])
     if m["host"]:
-        fields.update(enable_offload=True, num_ring_slots=HOST_RING_SLOTS)
+        fields.update(enable_offload=True)
     return fields
 
 

@@ -155,8 +155,10 @@ class Config:
             ``num_ring_slots`` slots; freed prefix-cache blocks the GPU tier reuses are written
             back there (a second-level prefix cache). Host memory is pinned on demand, in chunks
             (``docs/kvcache.md``).
-        num_ring_slots: ring-buffer slots of the host tier, >= 2 (``num_gpu_blocks`` is its
-            deprecated name).
+        num_ring_slots: ring-buffer slots of the host tier (one layer of one block each, read in
+            two halves: ``nanovllm.kvcache.ring``), >= 2; None: as many as
+            ``sizing.RING_BYTES`` (32 MiB) hold, at least 4 (``num_gpu_blocks`` is its deprecated
+            name).
         num_cpu_kvcache_blocks: host-tier blocks; -1 sizes them from ``cpu_memory_utilization`` of
             the available host memory (at most what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens use).
@@ -226,7 +228,7 @@ class Config:
     device: str = "auto"
     seed: int | None = 0
     enable_cpu_offload: bool = False
-    num_ring_slots: int = 4
+    num_ring_slots: int | None = None
     num_gpu_blocks: int | None = None  # deprecated name of num_ring_slots
     num_cpu_kvcache_blocks: int = -1
     cpu_memory_utilization: float = 0.5
@@ -314,7 +316,11 @@ class Config:
                           "host tier's ring slots; use num_ring_slots", DeprecationWarning, stacklevel=5)
             check_range("num_gpu_blocks", self.num_gpu_blocks, 2)
             self.num_ring_slots, self.num_gpu_blocks = self.num_gpu_blocks, None
-        check_range("num_ring_slots", self.num_ring_slots, 2)
+        if self.num_ring_slots is not None:
+            check_range("num_ring_slots", self.num_ring_slots, 2)
+            if not self.enable_cpu_offload:
+                raise ValueError(f"num_ring_slots={self.num_ring_slots} sizes the host tier's ring, which needs "
+                                 "enable_cpu_offload=True")
         if self.num_cpu_kvcache_blocks != -1:
             check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
             if not self.enable_cpu_offload:

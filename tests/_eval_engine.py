@@ -34,7 +34,7 @@ class EngineSettings:
     """
 
     enable_offload: bool = False
-    num_ring_slots: int = 2
+    num_ring_slots: int | None = None  # the engine's default
     num_gpu_kv_blocks: int | None = None
     block_size: int = 1024
     sparse_policy: str = "FULL"
@@ -77,7 +77,7 @@ class EngineSettings:
         self._validate_sparse()
         if not self.enable_offload:
             return
-        if self.num_ring_slots < 2:
+        if self.num_ring_slots is not None and self.num_ring_slots < 2:
             raise ValueError(f"num-ring-slots must be >= 2, got {self.num_ring_slots}")
         if self.num_gpu_kv_blocks is not None and self.num_gpu_kv_blocks < 2:
             raise ValueError(f"num-gpu-kv-blocks must be >= 2 with the host tier, got {self.num_gpu_kv_blocks}")
@@ -159,11 +159,13 @@ class EngineSettings:
             kw["sparse_topk_blocks"] = self.sparse_topk_blocks
         if self.enable_offload:
             per_seq = -(-max_model_len // self.block_size)
-            kw.update(enable_cpu_offload=True, num_ring_slots=self.num_ring_slots,
+            kw.update(enable_cpu_offload=True,
                       num_kvcache_blocks=(self.num_gpu_kv_blocks if self.num_gpu_kv_blocks is not None
                                           else 2 * max_num_seqs),
                       num_cpu_kvcache_blocks=(self.num_cpu_blocks if self.num_cpu_blocks is not None
                                               else per_seq * max_num_seqs))
+            if self.num_ring_slots is not None:
+                kw.update(num_ring_slots=self.num_ring_slots)
             if self.num_reuse_cache_blocks is not None:
                 kw.update(num_reuse_cache_blocks=self.num_reuse_cache_blocks)
         return kw
@@ -180,7 +182,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p = parser
     p.add_argument("--enable-offload", action="store_true",
                    help="the host tier of the KV cache (enable_cpu_offload=True)")
-    p.add_argument("--num-ring-slots", type=int, default=2, help="host tier: ring-buffer slots (default 2)")
+    p.add_argument("--num-ring-slots", type=int, default=None,
+                   help="host tier: ring-buffer slots (default: the engine's, sized to 32 MiB)")
     p.add_argument("--num-gpu-kv-blocks", type=int, default=None,
                    help="host tier: GPU-tier blocks (default: 2 per sequence, so the host tier holds the rest)")
     p.add_argument("--block-size", type=int, default=1024,
@@ -289,7 +292,7 @@ def engine_offload(llm) -> dict | None:
     if not cfg.enable_cpu_offload:
         return None
     stats = llm.get_kv_cache_stats()
-    return dict(block_size=cfg.kvcache_block_size, num_ring_slots=cfg.num_ring_slots,
+    return dict(block_size=cfg.kvcache_block_size, num_ring_slots=stats["ring_slots"],
                 gpu_blocks=stats["gpu_blocks"], host_blocks=stats["host_blocks"],
                 sparse_policy=getattr(cfg.sparse_policy, "value", str(cfg.sparse_policy)))
 

@@ -203,6 +203,11 @@ def test_offload_num_ring_slots_not_integer(qwen3_dir):
         build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_ring_slots=2.5)
 
 
+def test_num_ring_slots_without_the_host_tier_is_refused(qwen3_dir):
+    with pytest.raises(ValueError, match=r"num_ring_slots=8 sizes the host tier's ring.*enable_cpu_offload=True"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_ring_slots=8)
+
+
 def test_deprecated_num_gpu_blocks_still_sets_the_ring_slots(qwen3_dir):
     with pytest.warns(DeprecationWarning, match="num_gpu_blocks is deprecated.*num_ring_slots"):
         llm = build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True, num_gpu_blocks=3,

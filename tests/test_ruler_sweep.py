@@ -19,7 +19,10 @@ def test_setting_names_parse_and_reject():
     fields = rs.setting_fields("quest-p32-b1024-sum-d2-host")
     assert fields["sparse_page_size"] == 32 and fields["sparse_token_budget"] == 1024
     assert fields["sparse_group_score"] == "sum" and fields["sparse_dense_layers"] == 2
-    assert fields["enable_offload"] and fields["num_ring_slots"] == rs.HOST_RING_SLOTS
+    assert fields["enable_offload"] and "num_ring_slots" not in fields, "the engine's ring"
+    assert rs.setting_fields("full-host") == {"enable_offload": True}
+    assert rs.setting_fields("full-host-3") == {"enable_offload": True, "num_ring_slots": 3, "blocks": 4}
+    assert rs.block_size("full-host", 32768, 1024) == 1024
     assert rs.setting_fields("streaming-p16-d0")["sparse_policy"] == "STREAMING"
     with pytest.raises(ValueError, match="unknown setting 'quest-p16-d0'"):
         rs.setting_fields("quest-p16-d0")  # QUEST needs a budget

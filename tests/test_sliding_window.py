@@ -115,13 +115,20 @@ def test_chunked_prefill_matches_transformers(mistral_dir, prompts, reference):
         assert_matches(generate_with_logits(llm, prompts, DECODE), reference)
 
 
-def test_host_tier_with_the_gpu_tier_at_30_percent_matches_transformers(mistral_dir, prompts, reference):
+@pytest.mark.parametrize("ring_slots", [2, None], ids=["block-by-block", "grouped"])
+def test_host_tier_with_the_gpu_tier_at_30_percent_matches_transformers(mistral_dir, prompts, reference,
+                                                                        ring_slots):
     """2 GPU blocks of the batch's 8 (25%): window blocks are spilled and read back through the ring
     (decode) or gathered from both tiers (prefill chunks); a second run, reversed, gives the same.
+    With 2 ring slots each block is folded alone; with the default ring a layer's blocks are
+    folded together, a window's first block from its window start.
     (Its prompts find no cached prefix: their first blocks, never spilled, were released on the
     small GPU tier and their memory reused.)"""
     gpu_blocks = round(0.3 * BATCH_BLOCKS)
-    with build_llm(mistral_dir, max_model_len=1024, num_kvcache_blocks=gpu_blocks, **HOST) as llm:
+    host = {**HOST, "num_ring_slots": ring_slots}
+    with build_llm(mistral_dir, max_model_len=1024, num_kvcache_blocks=gpu_blocks, **host) as llm:
+        slots = llm.get_kv_cache_stats()["ring_slots"]
+        assert slots == ring_slots if ring_slots else slots // 2 >= BATCH_BLOCKS, "a half holds a layer's blocks"
         assert_matches(generate_with_logits(llm, prompts, DECODE), reference)
         stats = llm.get_kv_cache_stats()
         assert stats["spilled_blocks"] > 0 and stats["loaded_blocks"] > 0, stats

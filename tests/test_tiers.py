@@ -367,12 +367,15 @@ def test_spill_and_load_back_move_the_bits_and_scales_of_every_layer(kv):
     assert host.layer_block_bytes == 2 * BLOCK * HEADS_KV * (DIM * (4 if kv == "auto" else 1) + (kv != "auto") * 4)
 
 
+@pytest.mark.parametrize("slots", [2, 4, 8], ids=["groups-of-1", "groups-of-2", "one-group"])
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_decode_over_both_tiers_equals_the_reference(kv):
+def test_decode_over_both_tiers_equals_the_reference(kv, slots):
+    """Three rows' host blocks, 3 per layer, through rings whose halves fold 1 (one launch per
+    block), 2 or all 3 of a layer's loads at once."""
     from nanovllm.ops import decode_attention_ref
     from nanovllm.kvcache.context import Context, reset_context, set_context
 
-    attention, host = _pipeline(kv=kv)
+    attention, host = _pipeline(slots=slots, kv=kv)
     tables = [([0, -1, -1, 2], [-1, 3, 0, -1], 3 * BLOCK + 7), ([1, -1, 4], [-1, 5, -1], 2 * BLOCK + 100),
               ([5], [-1], 9)]
     q = torch.randn(3, HEADS_Q, DIM)
@@ -396,7 +399,9 @@ def test_decode_over_both_tiers_equals_the_reference(kv):
                 assert (out[row] - ref[0]).abs().max() <= 1e-5, (layer, row)
     finally:
         reset_context()
-    assert attention.ring.consumed == LAYERS * 3 == len(attention.ring.plan), "one plan across layers"
+    ring = attention.ring
+    assert ring.num_loads == LAYERS * 3 and ring.consumed == len(ring.groups), "one plan across layers"
+    assert len(ring.groups) == LAYERS * -(-3 // (slots // 2)), "groups of half the ring"
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)

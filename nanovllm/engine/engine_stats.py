@@ -14,7 +14,7 @@ class EngineStats:
 
             {"gpu_blocks", "gpu_blocks_used", "host_blocks", "host_blocks_used", "spilled_blocks",
              "evicted_blocks", "released_blocks", "loaded_blocks", "host_bytes_pinned", "prefix_cache_hit_tokens",
-             "preemptions", "kv_cache_dtype", "saturated_values", "gpu_tokens", "host_tokens"}
+             "preemptions", "kv_cache_dtype", "saturated_values", "gpu_tokens", "host_tokens", "ring_slots"}
 
         ``*_used``: blocks held by live sequences (free blocks holding a cached prefix are not).
         Since the engine started: ``spilled_blocks`` live blocks moved to the host tier,
@@ -27,7 +27,9 @@ class EngineStats:
         ``kv_cache_dtype``: the option (``"auto"``, ``"fp8"``, ...); ``saturated_values``: key and
         value elements clamped to the fp8 range when stored (only a checkpoint's static scales
         clamp: 0 with the dynamic per-(token, KV head) scales); ``gpu_tokens``, ``host_tokens``: the
-        tokens each tier holds (fp8 holds about twice the model dtype's in the same memory).
+        tokens each tier holds (fp8 holds about twice the model dtype's in the same memory);
+        ``ring_slots``: the host tier's ring-buffer slots (``num_ring_slots``, or the number its
+        default None sizes; 0 without the host tier).
         Blocks are ``kvcache_block_size`` tokens. With ``tensor_parallel_size > 1``,
         ``loaded_blocks`` and ``host_bytes_pinned`` are rank 0's; with ``data_parallel_size > 1``
         every value is summed over the replicas (under torchrun every rank must call this).

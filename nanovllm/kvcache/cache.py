@@ -60,6 +60,7 @@ class KVCache:
         self.geometry = KVGeometry(len(layers), storage.num_kv_heads, storage.head_dim, config.kvcache_block_size,
                                    storage.cache_dtype, storage.token_bytes)
         self.tiered = config.enable_cpu_offload
+        self.num_ring_slots = sizing.ring_slots(config.num_ring_slots, self.geometry) if self.tiered else 0
         self.windows = [spec.sliding_window for spec in self.specs]
         self.release_window = widest_window(self.windows)
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
@@ -102,7 +103,7 @@ class KVCache:
         the reuse cache's rows, the staging rows (a ring slot, a staging row: one layer of a block)."""
         if not self.tiered:
             return 0
-        return (self.config.num_ring_slots * self.geometry.layer_block_bytes + self._decode_rows_bytes()
+        return (self.num_ring_slots * self.geometry.layer_block_bytes + self._decode_rows_bytes()
                 + num_host_blocks * self.metadata_bytes_per_block())
 
     def _decode_rows_bytes(self) -> int:
@@ -133,7 +134,7 @@ class KVCache:
                                f"{total / 2**30:.1f} GiB on {self.device}: {err}") from err
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.cache_dtype, self.device,
-                                 sizes.host_blocks, self.config.num_ring_slots, scaled=self.storage.scaled)
+                                 sizes.host_blocks, self.num_ring_slots, scaled=self.storage.scaled)
         self.kv = self.layout.per_layer(rows)
         self.kv_scales = None if scale_rows is None else self.layout.per_layer(scale_rows)
         self.num_gpu_blocks = sizes.gpu_blocks
@@ -156,7 +157,7 @@ class KVCache:
                                             f"({n * g.block_bytes / 2**30:.2f} GiB)" for name, n in tiers),
                     pinned, g.block_size, g.num_layers, self.config.kv_cache_dtype, g.cache_dtype, g.token_bytes,
                     ", scales per (token, KV head) included" if self.storage.scaled else "",
-            f", {self.config.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
+            f", {self.num_ring_slots} ring slots, policy {self.config.sparse_policy}, "
             f"{self.reuse_rows} reuse-cache blocks ({self.reuse_rows * g.block_bytes / 2**30:.2f} GiB), "
             f"{self.staging_rows} staging rows ({self.staging_rows * g.layer_block_bytes / 2**30:.2f} GiB)"
             if self.host else "")
@@ -290,13 +291,15 @@ class KVCache:
         ``host_bytes_pinned``: host-tier bytes pinned now; ``kv_cache_dtype``: the option's value
         (a str); ``saturated_values``: key and value elements clamped to the fp8 range when stored
         (only static checkpoint scales clamp: 0 with dynamic ones and without fp8; syncs);
-        ``gpu_tokens``, ``host_tokens``: the tokens each tier holds (blocks x block size). Plain ints
+        ``gpu_tokens``, ``host_tokens``: the tokens each tier holds (blocks x block size);
+        ``ring_slots``: the host tier's ring slots (``Config.num_ring_slots`` resolved). Plain ints
         besides the dtype; 0 for the host tier's counts without a host tier."""
         g, saturated = self.geometry, self.attention.saturated
         stats = {"kv_cache_dtype": self.config.kv_cache_dtype,
                  "saturated_values": 0 if saturated is None else int(saturated.item()),
                  "gpu_tokens": self.num_gpu_blocks * g.block_size,
-                 "host_tokens": 0 if self.host is None else self.host.num_blocks * g.block_size}
+                 "host_tokens": 0 if self.host is None else self.host.num_blocks * g.block_size,
+                 "ring_slots": self.num_ring_slots}
         if not self.tiered:
             return {"loaded_blocks": 0, "host_bytes_pinned": 0, **stats}
         return {"loaded_blocks": self.host.loaded_bytes() // g.block_bytes,

@@ -199,6 +199,12 @@ class HostMemory:
         return self.eager
 
     @property
+    def registration_blocks(self) -> int | None:
+        """Host blocks per registration of one layer (a copy inside one must not cross a multiple of
+        it); None when the memory is one allocation."""
+        return None if self.one_allocation else self.chunk_blocks
+
+    @property
     def bytes_pinned(self) -> int:
         """Bytes page-locked now (on CPU: that would be): keys and values pinned so far, and the
         scales (pinned at once, for the life of their tensors)."""

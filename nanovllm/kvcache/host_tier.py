@@ -21,19 +21,22 @@ order, so a block is never requantized whatever tier it lives in.
 Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops):
 
     compute (the model's current stream): record step_start -> wait moves_done -> forward ...
-                                          wait slot_ready[s] -> attend slot s -> record slot_free[s]
+                                          wait half_ready[h] -> attend half h -> record half_free[h]
     spill stream:     wait step_start -> each move of the step, in order, all layers of a block per
                       copy (cudaMemcpy2DAsync, strided by layer on both sides; a layer per copy
                       where host memory is pinned on demand; D2H for spills and write-backs, H2D
                       for load-backs) -> record moves_done
-    transfer stream s (one per slot): wait slot_free[s], moves_done -> H2D of one layer of one
-                      block into slot s -> record slot_ready[s] (a serial plan puts every load
-                      on stream 0, in order)
+    transfer stream:  wait half_free[h], moves_done -> H2D of one layer of a group of host blocks
+                      into half h of the ring's slots, one copy per run of consecutive blocks
+                      inside one registration (:func:`copy_runs`) -> record half_ready[h]
+
+The ring's slots are used in two halves (``ring.py`` plans which group of loads goes to which), so
+one half loads while the other is read; the transfer stream is one, so loads land in plan order.
 
 ``step_start`` is recorded when the host begins step N+1, after it enqueued all of step N on the
 compute stream; so the moves of N+1 start once the device finished step N, even with async
 scheduling (N+1 decided while N runs): a move never reads a block step N writes (spills take full
-blocks) nor writes one it reads. Gathers for prefill (:meth:`HostTier.read_block`) copy on the
+blocks) nor writes one it reads. Gathers for prefill (:meth:`HostTier.read_blocks`) copy on the
 compute stream itself, after it waited for the step's moves.
 """
 import contextlib
@@ -45,6 +48,23 @@ from nanovllm.kvcache.host_memory import HostMemory
 from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 from nanovllm.ops import gather_host_pages
 from nanovllm.ops.kv_quant import SCALE_DTYPE
+
+
+def copy_runs(blocks: list[tuple[int, int]], registration_blocks: int | None) -> list[tuple[int, int, int]]:
+    """``(index, host block)`` pairs grouped into copies: ``(first index, first host block, count)``
+    for each run of pairs consecutive in both, cut where a run would leave one registration of
+    ``registration_blocks`` host blocks (``HostMemory.registration_blocks``; None: one allocation),
+    since one copy must stay inside one (``host_memory.py``)."""
+    runs: list[list[int]] = []
+    for index, host_id in blocks:
+        if runs:
+            first_index, first_host, count = runs[-1]
+            if (index == first_index + count and host_id == first_host + count
+                    and (registration_blocks is None or host_id // registration_blocks == first_host // registration_blocks)):
+                runs[-1][2] += 1
+                continue
+        runs.append([index, host_id, 1])
+    return [tuple(run) for run in runs]
 
 
 class _NullStream:
@@ -100,14 +120,13 @@ class HostTier:
     def _make_streams(self):
         if self.cuda:
             new_event = torch.cuda.Event
-            self.transfer_streams = [torch.cuda.Stream(self.device) for _ in range(self.num_slots)]
+            self.transfer_stream = torch.cuda.Stream(self.device)
             self.spill_stream = torch.cuda.Stream(self.device)
         else:
             new_event = _NullEvent
-            self.transfer_streams = [_NullStream() for _ in range(self.num_slots)]
-            self.spill_stream = _NullStream()
-        self.slot_ready = [new_event() for _ in range(self.num_slots)]
-        self.slot_free = [new_event() for _ in range(self.num_slots)]
+            self.transfer_stream = self.spill_stream = _NullStream()
+        self.half_ready = [new_event() for _ in range(2)]
+        self.half_free = [new_event() for _ in range(2)]
         self.step_start, self.spill_done = new_event(), new_event()
 
     def _stream_ctx(self, stream):
@@ -159,50 +178,55 @@ class HostTier:
         self.bytes_h2d += (len(moves) - to_host) * self.num_layers * self.layer_block_bytes
 
     # ---- ring --------------------------------------------------------------------------
-    def load(self, slot: int, layer: int, host_id: int, stream: int | None = None):
-        """Start copying ``layer`` of host block ``host_id`` into ring ``slot`` (H2D on transfer
-        stream ``stream``, by default the slot's, after the slot's previous reader and the step's
-        moves)."""
-        stream = self.transfer_streams[slot if stream is None else stream]
-        stream.wait_event(self.slot_free[slot])
+    def load(self, half: int, first_slot: int, layer: int, host_ids: list[int]):
+        """Start copying ``layer`` of host blocks ``host_ids`` into slots ``first_slot ..
+        first_slot + len(host_ids) - 1`` (all in ring half ``half``): H2D on the transfer stream,
+        after the half's previous reader and the step's moves, one copy per run (:func:`copy_runs`)."""
+        stream = self.transfer_stream
+        stream.wait_event(self.half_free[half])
         stream.wait_event(self.spill_done)
+        pairs = [(self.k_slots, self.k_host), (self.v_slots, self.v_host)]
+        if self.k_host_scale is not None:
+            pairs += [(self.k_slot_scales, self.k_host_scale), (self.v_slot_scales, self.v_host_scale)]
         with self._stream_ctx(stream):
-            self.k_slots[slot].copy_(self.k_host[layer, host_id], non_blocking=True)
-            self.v_slots[slot].copy_(self.v_host[layer, host_id], non_blocking=True)
-            if self.k_host_scale is not None:
-                self.k_slot_scales[slot].copy_(self.k_host_scale[layer, host_id], non_blocking=True)
-                self.v_slot_scales[slot].copy_(self.v_host_scale[layer, host_id], non_blocking=True)
-            self.slot_ready[slot].record(stream)
-        self.bytes_h2d += self.layer_block_bytes
+            for offset, host_id, count in copy_runs(list(enumerate(host_ids)), self.memory.registration_blocks):
+                slots = slice(first_slot + offset, first_slot + offset + count)
+                for slot_buf, host in pairs:
+                    slot_buf[slots].copy_(host[layer, host_id:host_id + count], non_blocking=True)
+            self.half_ready[half].record(stream)
+        self.bytes_h2d += len(host_ids) * self.layer_block_bytes
 
-    def wait(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make the compute stream wait for ``slot``'s load; returns its keys and values
-        ``[block_size, Hkv, D]`` each (their scales: :meth:`slot_scales`)."""
-        self._compute_stream().wait_event(self.slot_ready[slot])
-        return self.k_slots[slot], self.v_slots[slot]
+    def wait(self, half: int):
+        """Make the compute stream wait for the loads into ring half ``half``."""
+        self._compute_stream().wait_event(self.half_ready[half])
 
-    def slot_scales(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The scales ``[block_size, Hkv]`` of ``slot``'s keys and values (None, None unscaled)."""
+    def slots(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                      torch.Tensor | None]:
+        """Slots ``first .. first + count - 1``: keys and values ``[count, block_size, Hkv, D]`` and
+        their scales ``[count, block_size, Hkv]`` (None unscaled)."""
+        rows = slice(first, first + count)
         if self.k_slot_scales is None:
-            return None, None
-        return self.k_slot_scales[slot], self.v_slot_scales[slot]
+            return self.k_slots[rows], self.v_slots[rows], None, None
+        return self.k_slots[rows], self.v_slots[rows], self.k_slot_scales[rows], self.v_slot_scales[rows]
 
-    def release(self, slot: int):
-        """``slot`` may be overwritten once the compute stream's work so far is done."""
-        self.slot_free[slot].record(self._compute_stream())
+    def release(self, half: int):
+        """Ring half ``half`` may be overwritten once the compute stream's work so far is done."""
+        self.half_free[half].record(self._compute_stream())
 
     # ---- gathers -----------------------------------------------------------------------
-    def read_block(self, layer: int, host_id: int, k_out: torch.Tensor, v_out: torch.Tensor,
-                   scales_out: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Copy ``layer`` of host block ``host_id`` into ``k_out`` / ``v_out`` ``[block_size, Hkv,
-        D]`` (an fp8 tier: its scales into ``scales_out`` ``[block_size, Hkv]`` each) on the
-        compute stream."""
-        k_out.copy_(self.k_host[layer, host_id], non_blocking=True)
-        v_out.copy_(self.v_host[layer, host_id], non_blocking=True)
+    def read_blocks(self, layer: int, blocks: list[tuple[int, int]], k_out: torch.Tensor, v_out: torch.Tensor,
+                    scales_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Copy ``layer`` of each ``(index, host block)`` of ``blocks`` into row ``index`` of ``k_out``
+        / ``v_out`` ``[n, block_size, Hkv, D]`` (an fp8 tier: its scales into ``scales_out`` ``[n,
+        block_size, Hkv]`` each) on the compute stream, one copy per run of consecutive indices and
+        blocks (:func:`copy_runs`)."""
+        pairs = [(k_out, self.k_host), (v_out, self.v_host)]
         if scales_out is not None:
-            scales_out[0].copy_(self.k_host_scale[layer, host_id], non_blocking=True)
-            scales_out[1].copy_(self.v_host_scale[layer, host_id], non_blocking=True)
-        self.bytes_h2d += self.layer_block_bytes
+            pairs += [(scales_out[0], self.k_host_scale), (scales_out[1], self.v_host_scale)]
+        for index, host_id, count in copy_runs(blocks, self.memory.registration_blocks):
+            for out, host in pairs:
+                out[index:index + count].copy_(host[layer, host_id:host_id + count], non_blocking=True)
+        self.bytes_h2d += len(blocks) * self.layer_block_bytes
 
     def gather_pages(self, layer: int, src_pages: torch.Tensor, heads: torch.Tensor, k_pages: torch.Tensor,
                      v_pages: torch.Tensor, dst_pages: torch.Tensor,
@@ -237,8 +261,7 @@ class HostTier:
         """Block the host until every copy of this tier finished."""
         if self.cuda:
             self.spill_stream.synchronize()
-            for stream in self.transfer_streams:
-                stream.synchronize()
+            self.transfer_stream.synchronize()
 
     def free_memory(self):
         """Stop pinning and unpin the host blocks (after :meth:`synchronize`; the engine is done

@@ -21,6 +21,10 @@ CPU_KV_MEMORY_FRACTION = 0.25
 """CPU device: largest share of the available memory the (device) KV cache may take."""
 GPU_HEADROOM = 256 << 20
 """Bytes left free on the GPU besides the budget (CUDA context growth, allocator slack)."""
+RING_BYTES = 32 << 20
+"""Device bytes of the host tier's ring when ``num_ring_slots`` is None (each half a group of
+loads folded at once: ``ring.py``)."""
+MIN_RING_SLOTS = 4
 
 
 class KVGeometry(NamedTuple):
@@ -45,6 +49,14 @@ class KVGeometry(NamedTuple):
         """Bytes of one layer of one block, keys and values and their scales (a ring slot, a
         staging row)."""
         return self.block_size * self.token_bytes
+
+
+def ring_slots(num_ring_slots: int | None, geometry: KVGeometry) -> int:
+    """The ring's slots: ``num_ring_slots``, or for None as many layer-blocks of ``geometry`` as
+    :data:`RING_BYTES` hold, at least :data:`MIN_RING_SLOTS`."""
+    if num_ring_slots is not None:
+        return num_ring_slots
+    return max(MIN_RING_SLOTS, RING_BYTES // geometry.layer_block_bytes)
 
 
 class TierSizes(NamedTuple):

@@ -9,10 +9,10 @@
   tiers (its host blocks copied H2D into the gathered buffer), so the kernels and the summation
   order are those of GPU-only mode. A block-sparse policy (XAttention) masks per sequence.
 - **Decode**: paged decode attention over the GPU-resident blocks of the whole batch, returning
-  the LSE when some sequence has host blocks; then those host blocks stream through the ring
-  slots, each folded into its sequence's ``(out, lse)`` by one fused kernel
-  (:func:`nanovllm.ops.decode_attend_merge`). The loads of a step form one plan across layers, so
-  the ring keeps loading the next layer's blocks while this layer computes. A batch without host
+  the LSE when some sequence has host blocks; then those host blocks stream through the ring in
+  groups of slots, each group folded into its rows' ``(out, lse)`` by a paged read and an LSE
+  merge (``ring.py``). The loads of a step form one plan across layers, so the ring keeps loading
+  the next layer's blocks while this layer computes. A batch without host
   blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
 - **Decode with a choosing policy** (QUEST, STREAMING; ``selection.py``): per layer the policy
   picks pages per KV head on the device and the picks never come back to the host: the step's
@@ -39,55 +39,16 @@ import torch
 from nanovllm.kvcache.host_tier import HostTier
 from nanovllm.kvcache.spec import LayerKVSpec
 from nanovllm.kvcache.reuse import ReuseCache
+from nanovllm.kvcache.ring import RingReader
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection
-from nanovllm.ops import (KVStore, block_sparse_attention, decode_attend_merge, decode_attention, prefill_attention,
-                          store_kvcache)
+from nanovllm.ops import KVStore, block_sparse_attention, decode_attention, prefill_attention, store_kvcache
 from nanovllm.ops.kv_quant import dequantize
 from nanovllm.ops.store_kv import KVScales
 from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
 from nanovllm.sparse import SparsePolicy, SparseStats
 from nanovllm.sparse.stats import causal_visible_blocks
 from nanovllm.kvcache.context import Context, PrefixGather, get_context
-
-
-class RingReader:
-    """Reads host blocks through the ring slots in the order of a plan of ``(layer, host block)``
-    loads: load ``g`` goes to slot ``g % N`` and is issued as soon as that slot is free, so up to
-    ``N`` loads are in flight, across layer boundaries. A serial plan issues every load on one
-    stream, so they land in plan order (each folded while the next one loads, and later loads
-    never share the link with earlier ones); otherwise each slot has its own stream."""
-
-    def __init__(self, tier: HostTier):
-        self.tier = tier
-        self.plan: list[tuple[int, int]] = []
-        self.issued = self.consumed = 0
-        self.serial = False
-
-    def reset(self, plan: list[tuple[int, int]], serial: bool = False):
-        """A new plan (a step's); its first loads start now."""
-        self.plan, self.issued, self.consumed, self.serial = list(plan), 0, 0, serial
-        self._issue()
-
-    def _issue(self):
-        limit = min(len(self.plan), self.consumed + self.tier.num_slots)
-        while self.issued < limit:
-            layer, host_id = self.plan[self.issued]
-            slot = self.issued % self.tier.num_slots
-            self.tier.load(slot, layer, host_id, stream=0 if self.serial else slot)
-            self.issued += 1
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Keys and values ``[block_size, Hkv, D]`` of the next planned load, once it landed, and
-        their scales ``[block_size, Hkv]`` (None unscaled)."""
-        slot = self.consumed % self.tier.num_slots
-        return *self.tier.wait(slot), *self.tier.slot_scales(slot)
-
-    def done(self):
-        """The block from :meth:`next` was read: its slot takes the next load."""
-        self.tier.release(self.consumed % self.tier.num_slots)
-        self.consumed += 1
-        self._issue()
 
 
 class TieredAttention:
@@ -157,18 +118,19 @@ class TieredAttention:
 
     def begin_step(self, ctx: Context):
         """Plan the step's ring loads: every layer reads ``ctx.host_loads`` (a windowed layer its
-        window's), or with a choosing policy each layer's ``selection.ring_loads`` (on one stream,
-        in order), so the whole step is one plan; a choosing step starts a step of the reuse cache."""
+        window's), or with a choosing policy each layer's ``selection.ring_loads``, so the whole
+        step is one plan; a choosing step starts a step of the reuse cache."""
         if ctx.selection is not None and self.reuse is not None:
             self.reuse.begin_step()
         if self.ring is not None:
             num_layers = self.k_cache.shape[0]
-            if ctx.selection is None:
-                self.ring.reset([(layer, host_id) for layer in range(num_layers)
-                                 for _, host_id in self._reads(layer, ctx)[3]] if not ctx.is_prefill else [])
+            if ctx.is_prefill:
+                reads = []
+            elif ctx.selection is None:
+                reads = [self._reads(layer, ctx)[3:] for layer in range(num_layers)]
             else:
-                self.ring.reset([(layer, host_id) for layer in range(num_layers)
-                                 for _, host_id in ctx.selection.ring_loads[layer]], serial=True)
+                reads = [(ctx.selection.ring_loads[layer], None) for layer in range(num_layers)]
+            self.ring.reset(reads, 0 if ctx.slot_mapping is None else ctx.slot_mapping.shape[0])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer: q ``[N, Hq, D]``, k, v ``[N, Hkv, D]`` (the batch's new
@@ -228,9 +190,7 @@ class TieredAttention:
             buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
         for buf, cache in zip(scales or [], (self.k_scales, self.v_scales)):
             buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
-        for index, host_id in gather.host:
-            self.host.read_block(layer, host_id, out[0][index], out[1][index],
-                                 None if scales is None else (scales[0][index], scales[1][index]))
+        self.host.read_blocks(layer, gather.host, out[0], out[1], None if scales is None else tuple(scales))
         n = gather.num_tokens - gather.start
         if scales is not None:
             out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales)]
@@ -294,10 +254,10 @@ class TieredAttention:
     def _tiered_decode(self, layer, q, ctx: Context, k_cache, v_cache) -> torch.Tensor:
         if ctx.selection is not None:
             return self._selected_decode(layer, q, ctx)
-        tables, lens, starts, loads, skips = self._reads(layer, ctx)
+        tables, lens, starts, loads, _ = self._reads(layer, ctx)
         out, lse = decode_attention(q, k_cache, v_cache, tables, lens, self.scale, return_lse=True,
                                     context_starts=starts, **self.scales(layer))
-        self._fold_ring(q, out, lse, loads, skips)
+        out, lse = self.ring.fold(layer, q, out, lse, self.scale)
         read = len(loads) * self.host.layer_block_bytes
         self.stats.add_comm(layer, False, read, read)
         return out.to(q.dtype)
@@ -314,11 +274,10 @@ class TieredAttention:
                                         ctx.context_lens, self.scale, return_lse=True, **self.scales(layer))
         else:
             out, lse, num_picks = self._read_pages(layer, q, selection)
-        loads = selection.ring_loads[layer]
-        self._fold_ring(q, out, lse, loads)
         self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
         if self.host is not None:
-            self.stats.add_comm(layer, False, len(loads) * self.host.layer_block_bytes,
+            out, lse = self.ring.fold(layer, q, out, lse, self.scale)
+            self.stats.add_comm(layer, False, len(selection.ring_loads[layer]) * self.host.layer_block_bytes,
                                 selection.num_host_blocks * self.host.layer_block_bytes)
         return out.to(q.dtype)
 
@@ -344,13 +303,3 @@ class TieredAttention:
             out.index_copy_(0, batch_rows, group_out)
             lse.index_copy_(0, batch_rows, group_lse)
         return out, lse, picks.shape[2]
-
-    def _fold_ring(self, q, out, lse, loads: list[tuple[int, int]], skips: list[int] | None = None):
-        """Fold the ring's next ``len(loads)`` blocks into rows ``loads[i][0]`` of ``(out, lse)``,
-        from their token ``skips[i]`` on (a sliding window's first block; None: whole blocks)."""
-        for i, (row, _) in enumerate(loads):
-            k_block, v_block, k_scale, v_scale = self.ring.next()
-            skip = skips[i] if skips else 0
-            scales = (None, None) if k_scale is None else (k_scale[skip:], v_scale[skip:])
-            decode_attend_merge(q[row], k_block[skip:], v_block[skip:], out[row], lse[row], self.scale, *scales)
-            self.ring.done()
