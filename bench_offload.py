@@ -215,7 +215,8 @@ def _measure(llm, args, bw: dict) -> dict:
     return result
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this script (also read by ``benchmarks.profile_tiered_decode``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model dir (default: a random-weight checkpoint of --shape)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -249,6 +250,12 @@ def main():
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="what both KV tiers store (LLM's kv_cache_dtype; the JSON's args say it)")
     parser.add_argument("--device", default="auto")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed, checked arguments, ``args.model`` filled with the shape's random checkpoint when
+    not given (argparse's error, exit 2, for a bad value)."""
     args = parser.parse_args()
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
@@ -264,6 +271,12 @@ def main():
     if args.input_len + args.decode_tokens > limit:
         parser.error(f"--input-len + --decode-tokens = {args.input_len + args.decode_tokens} exceeds the model's "
                      f"max_position_embeddings={limit}")
+    return args
+
+
+def main():
+    args = parse_args(build_parser())
+    modes = args.modes.split(",")
     bw = bandwidths()
     results = {mode: run_mode(args, mode, bw) for mode in modes}
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **bw,

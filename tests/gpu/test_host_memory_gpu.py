@@ -65,7 +65,7 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     """Blocks spilled into a late chunk (the copy waits for its pinning), loaded back, read
     through the ring and gathered by the UVA kernel: all equal the GPU blocks they came from."""
     layers, blocks, shape = 3, 24, (256, 2, 64)
-    tier = HostTier(layers, shape[0], shape[1], shape[2], dtype, DEVICE, blocks, 2, chunk_bytes=1 << 20,
+    tier = HostTier(layers, shape[0], shape[1], shape[2], dtype, DEVICE, blocks, 6, chunk_bytes=1 << 20,
                     on_demand=True)
     gpu = torch.randn(2, layers, 8, *shape, device=DEVICE).to(dtype)
     moves = [BlockMove(g, h, True) for g, h in ((1, 0), (2, 5), (3, 23))]
@@ -78,9 +78,19 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     tier.move([BlockMove(6, 23, False)], back[0], back[1])
     torch.cuda.synchronize()
     assert torch.equal(back[:, :, 6], gpu[:, :, 3])
-    tier.load(0, 2, 5)
-    k, v = tier.wait(0)
-    assert torch.equal(k, gpu[0, 2, 2]) and torch.equal(v, gpu[1, 2, 2])
+    tier.load(0, 0, 2, [5])
+    tier.wait(0)
+    k, v, _, _ = tier.slots(0, 1)
+    assert torch.equal(k[0], gpu[0, 2, 2]) and torch.equal(v[0], gpu[1, 2, 2])
+    # a run of consecutive host blocks across a registration boundary: two copies, each inside one
+    r = tier.memory.registration_blocks
+    assert r is not None and 0 < r < blocks - 1
+    run = [r - 2, r - 1, r]
+    tier.load(1, 3, 1, run)
+    tier.wait(1)
+    k, v, _, _ = tier.slots(3, 3)
+    torch.cuda.synchronize()
+    assert torch.equal(k.cpu(), tier.k_host[1, r - 2:r + 1]) and torch.equal(v.cpu(), tier.v_host[1, r - 2:r + 1])
     page = 16
     ppb = shape[0] // page
     k_pages, v_pages = (cache[1].view(-1, page, *shape[1:]) for cache in (tier.k_host, tier.v_host))
