@@ -10,7 +10,7 @@ import torch
 
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, generate_with_logits, greedy, random_prompt
-from nanovllm.ops.quest_scores import box_scores, page_bounds, page_bounds_ref, page_scores, top_pages
+from nanovllm.ops.quest_scores import box_scores, box_scores_ref, page_bounds, page_bounds_ref, page_scores, top_pages
 from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
 from nanovllm.sparse.choosing import ChoosingPolicy
 
@@ -79,23 +79,27 @@ def test_top_pages_takes_each_heads_best_and_marks_missing_picks():
 
 
 @interpreted_only
+@pytest.mark.parametrize("weight", [1.0, 0.5, 0.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads_q, heads_kv, dim", [(4, 2, 32), (8, 8, 64), (6, 2, 40)])
-def test_interpreted_page_bounds_kernel_equals_reference(dtype, heads_q, heads_kv, dim):
+def test_interpreted_page_bounds_kernel_equals_reference(dtype, heads_q, heads_kv, dim, weight):
+    """The kernel's upper bounds (weight 1) and its one-launch box scores (weight < 1)."""
     _, kmin, kmax = _keys_and_bounds(200, 16, heads_kv, dim)
     kmin, kmax = kmin.to(dtype), kmax.to(dtype)
     q = torch.randn(3, heads_q, dim).to(dtype)
     pages = torch.randint(0, 200, (3, 130))
     pages[1, 70:] = -1
-    got = page_bounds(q, kmin, kmax, pages)
-    ref = page_bounds_ref(q, kmin, kmax, pages)
+    if weight == 1.0:
+        got, ref = page_bounds(q, kmin, kmax, pages), page_bounds_ref(q, kmin, kmax, pages)
+    else:
+        got, ref = box_scores(q, kmin, kmax, pages, weight), box_scores_ref(q, kmin, kmax, pages, weight)
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
     finite = torch.isfinite(ref)
     assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-3)
 
 
 def test_triton_kernel_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=6)
+    run_interpreted_tests(__file__, min_passed=18)
 
 
 def _policy(**kw):

@@ -49,12 +49,13 @@ def page_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pag
 
 @triton.jit(do_not_specialize=["num_pages", "stride_ps", "stride_os"])  # one variant whatever the batch
 def _page_bounds_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr, num_pages,
+    q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr, num_pages, upper_weight, lower_weight,
     stride_qs, stride_qh, stride_bp, stride_bh, stride_ps, stride_os, stride_oc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr, LOWER: tl.constexpr,
 ):
-    """Program (sequence, tile of BLOCK_P candidates, KV head): the bounds of its GQA group."""
+    """Program (sequence, tile of BLOCK_P candidates, KV head): the scores of its GQA group, the
+    upper bound (LOWER False) or ``upper_weight * upper + lower_weight * lower`` (LOWER True)."""
     seq = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     kv_head = tl.program_id(2)
@@ -71,11 +72,15 @@ def _page_bounds_kernel(
     mask = valid[:, None] & d_mask[None, :]
     kmax = tl.load(kmax_ptr + offsets, mask=mask, other=0.0)
     kmin = tl.load(kmin_ptr + offsets, mask=mask, other=0.0)
-    bound = tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PRECISION)
-    bound = tl.dot(q_neg, tl.trans(kmin), bound, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_P]
-    bound = tl.where(valid[None, :], bound, float("-inf"))
+    score = tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PRECISION)
+    score = tl.dot(q_neg, tl.trans(kmin), score, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_P]
+    if LOWER:  # the box's lower bound from the same tiles, combined in fp32
+        lower = tl.dot(q_pos, tl.trans(kmin), input_precision=DOT_PRECISION)
+        lower = tl.dot(q_neg, tl.trans(kmax), lower, input_precision=DOT_PRECISION)
+        score = score * upper_weight + lower * lower_weight
+    score = tl.where(valid[None, :], score, float("-inf"))
     out = out_ptr + seq * stride_os + c[None, :] * stride_oc + (kv_head * GROUP + g)[:, None]
-    tl.store(out, bound, mask=g_mask[:, None] & c_mask[None, :])
+    tl.store(out, score, mask=g_mask[:, None] & c_mask[None, :])
 
 
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -102,6 +107,12 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: 
     _check_bounds_args(q, kmin, kmax, pages)
     if q.dtype == torch.float64 or not use_triton(q):
         return page_bounds_ref(q, kmin, kmax, pages)
+    return _launch(q, kmin, kmax, pages, None)
+
+
+def _launch(q, kmin, kmax, pages, weights: tuple[float, float] | None) -> torch.Tensor:
+    """One launch of :func:`_page_bounds_kernel`: the upper bounds, or with ``weights`` ``(upper
+    weight, lower weight)`` their combination with the lower bounds (checked arguments)."""
     seqs, heads_q, dim = q.shape
     num_pages, heads_kv = pages.shape[1], kmin.shape[1]
     bounds = torch.empty(seqs, num_pages, heads_q, dtype=torch.float32, device=q.device)
@@ -110,11 +121,13 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: 
     if kmin.stride(-1) != 1 or kmax.stride() != kmin.stride() or q.stride(-1) != 1 or not pages.is_contiguous():
         q, kmin, kmax, pages = q.contiguous(), kmin.contiguous(), kmax.contiguous(), pages.contiguous()
     group = heads_q // heads_kv
+    upper_weight, lower_weight = weights or (1.0, 0.0)
     _page_bounds_kernel[(seqs, cdiv(num_pages, _BLOCK_P), heads_kv)](
-        q, kmin, kmax, pages, bounds, num_pages,
+        q, kmin, kmax, pages, bounds, num_pages, upper_weight, lower_weight,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), pages.stride(0), bounds.stride(0), bounds.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(MIN_DOT_ROWS, next_pow2(group)), BLOCK_D=block_dim(dim),
         BLOCK_P=_BLOCK_P, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=_NUM_WARPS,
+        LOWER=weights is not None,
     )
     return bounds
 
@@ -136,15 +149,30 @@ def box_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: t
         ValueError: as :func:`page_bounds`, or radius_weight outside [0, 1].
 
     The score is ``(1 + w) / 2 * upper + (1 - w) / 2 * lower`` with the box's upper and lower
-    bounds of ``q . k``; the lower bound is :func:`page_bounds` with kmin and kmax swapped (a second
-    launch, skipped when ``w`` is 1).
+    bounds of ``q . k`` (the lower is :func:`page_bounds` with kmin and kmax swapped). CUDA: one
+    launch of :func:`page_bounds`'s kernel, which reads each page's bounds once and combines the
+    two in fp32 (four ``tl.dot``; two when ``w`` is 1). CPU (or float64): :func:`box_scores_ref`.
     """
     if not 0.0 <= radius_weight <= 1.0:
         raise ValueError(f"radius_weight must be in [0, 1], got {radius_weight!r}")
-    upper = page_bounds(q, kmin, kmax, pages)
+    _check_bounds_args(q, kmin, kmax, pages)
+    if q.dtype == torch.float64 or not use_triton(q):
+        return box_scores_ref(q, kmin, kmax, pages, radius_weight)
+    if radius_weight == 1.0:
+        return _launch(q, kmin, kmax, pages, None)
+    return _launch(q, kmin, kmax, pages, ((1.0 + radius_weight) / 2, (1.0 - radius_weight) / 2))
+
+
+def box_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                   radius_weight: float) -> torch.Tensor:
+    """Reference of :func:`box_scores` (same arguments and result): the upper and lower bounds by
+    :func:`page_bounds_ref`, combined in float32 (float64 for float64 q)."""
+    if not 0.0 <= radius_weight <= 1.0:
+        raise ValueError(f"radius_weight must be in [0, 1], got {radius_weight!r}")
+    upper = page_bounds_ref(q, kmin, kmax, pages)
     if radius_weight == 1.0:
         return upper
-    lower = page_bounds(q, kmax, kmin, pages)
+    lower = page_bounds_ref(q, kmax, kmin, pages)
     return upper * ((1.0 + radius_weight) / 2) + lower * ((1.0 - radius_weight) / 2)
 
 

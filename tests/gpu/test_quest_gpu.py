@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
-from nanovllm.ops.quest_scores import page_bounds, page_bounds_ref
+from nanovllm.ops.quest_scores import box_scores, box_scores_ref
 from nanovllm.sparse.choosing import ChoosingPolicy
 
 pytestmark = pytest.mark.gpu
@@ -18,11 +18,12 @@ pytestmark = pytest.mark.gpu
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}  # Hq, Hkv, D
 
 
+@pytest.mark.parametrize("weight", [1.0, 0.5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
-def test_page_bounds_kernel_equals_reference(shape, dtype):
+def test_page_bounds_kernel_equals_reference(shape, dtype, weight):
     """3 sequences over 2,000 candidate pages of 16 tokens (32K tokens) among 4,096 metadata
-    pages, with padding."""
+    pages, with padding: the upper bounds (weight 1) and the one-launch box scores (weight 0.5)."""
     heads_q, heads_kv, dim = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(4096, 16, heads_kv, dim, device="cuda", generator=gen)
@@ -30,7 +31,7 @@ def test_page_bounds_kernel_equals_reference(shape, dtype):
     q = torch.randn(3, heads_q, dim, device="cuda", generator=gen).to(dtype)
     pages = torch.randint(0, 4096, (3, 2000), device="cuda", generator=gen)
     pages[2, 1200:] = -1
-    got, want = page_bounds(q, kmin, kmax, pages), page_bounds_ref(q, kmin, kmax, pages)
+    got, want = box_scores(q, kmin, kmax, pages, weight), box_scores_ref(q, kmin, kmax, pages, weight)
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
