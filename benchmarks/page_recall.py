@@ -1,0 +1,230 @@
+"""How much of the true attention mass each decode page selector keeps (CPU, transformers, float32).
+
+Method: each RULER sample (tools/ruler, seed 0, prompts of ``length - 128`` tokens as
+benchmarks/ruler_sweep.py builds them) is teacher-forced through the model followed by its gold
+answer (the references joined by ", " after a space, at most 16 tokens), with a custom attention
+function (transformers' AttentionInterface) that records every layer's post-RoPE queries and keys
+and computes sdpa for the forward. The decode positions studied are the last prompt token and
+every answer token. Per layer, KV head and position ``t`` (keys ``0..t``, as in decode):
+
+- each query head's exact attention probabilities, softmax of ``q . k / sqrt(D)``;
+- pages of 16 tokens; always read (nanovllm/sparse/choosing.py, kvcache/selection.py): the first
+  page (16 sinks), the 16 pages (256 tokens) before the page holding ``t``, and that page; the
+  candidates are every other page (all full);
+- each estimator scores the candidates as the engine does (nanovllm.ops.quest_scores): QUEST-w
+  ``box_scores`` with radius weight ``w``, MOMENTS ``page_bounds`` of the key mean and variance,
+  ORACLE the logsumexp of the page's exact scores; ``page_scores`` combines the GQA group
+  ("max", or "sum") and ``top_pages`` keeps ``budget / 16`` pages;
+- recall of a query head = its attention mass in the always-read and selected pages.
+
+Output (JSON on stdout, and --out): per estimator and budget the mean recall over samples,
+positions, layers and query heads, the mean of the per-(KV head) minimum over its query heads,
+both for the last prompt token and the answer positions, per task, and per layer at budget 512;
+FIXED_ONLY (budget 0) is the always-read pages alone; the mean density (tokens read / context)
+per budget; the teacher-forced answer-token accuracy.
+
+    python -m nanovllm.fetch qwen2.5-coder-0.5b        # the model, converted once (default --model)
+    python -m benchmarks.page_recall --num-samples 4 --out page_recall_8k.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.fetch import default_dest
+from nanovllm.ops.quest_scores import box_scores, page_bounds, page_scores, top_pages
+
+TASKS = "niah_multiquery,niah_multivalue,niah_single_uuids,fwe,niah_multikey"
+ESTIMATORS = {"ORACLE": ("oracle", None, "max", None), **{f"QUEST_w{w}": ("quest", w, "max", None) for w in
+              (1.0, 0.75, 0.5, 0.25, 0.0)}, "MOMENTS": ("moments", None, "max", None),
+              "ORACLE_sum": ("oracle", None, "sum", (512,)), "QUEST_w0.5_sum": ("quest", 0.5, "sum", (512,))}
+"""name -> (kind, radius weight, group combine, budgets: None for every budget)."""
+MAX_ANSWER_TOKENS = 16
+
+
+def page_scores_for(kind: str, weight: float | None, q: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor,
+                    page_logits: torch.Tensor, page: int) -> torch.Tensor:
+    """One estimator's per-query-head page logits, in ``page_bounds``' units (before the scale).
+
+    Args: kind "oracle" / "quest" / "moments"; weight QUEST's radius weight; q float32 ``[S, Hq,
+    D]``; keys float32 ``[T, Hkv, D]``; pages int64 ``[S, C]`` candidate page ids (-1: none);
+    page_logits float32 ``[S, Hq, NP]``, logsumexp of ``q . k`` over each page (ORACLE's).
+
+    Returns: float32 ``[S, C, Hq]``, -inf where ``pages`` is -1.
+    """
+    full = keys.shape[0] // page
+    paged = keys[:full * page].view(full, page, *keys.shape[1:])  # [full pages, P, Hkv, D]
+    if kind == "quest":  # QuestPolicy: element-wise key bounds
+        return box_scores(q, paged.amin(1), paged.amax(1), pages, weight)
+    if kind == "moments":  # MomentsPolicy.on_pages_full / select_decode_pages
+        var, mean = torch.var_mean(paged, dim=1, correction=0)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return page_bounds(q, mean, mean, pages) + page_bounds(q * q, var, var, pages) * (0.5 * scale)
+    out = page_logits.transpose(1, 2).gather(1, pages.clamp(min=0)[..., None].expand(-1, -1, q.shape[1]))
+    return out.masked_fill((pages < 0)[..., None], float("-inf"))  # OraclePolicy: exact logsumexp
+
+
+def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budgets: list[int],
+                 estimators: dict = ESTIMATORS, page: int = 16, sink: int = 16, recent: int = 256) -> dict:
+    """Recall of every (estimator, budget) for one layer.
+
+    Args:
+        q: float32 ``[S, Hq, D]``, post-RoPE queries at ``positions`` (length S, increasing).
+        keys: float32 ``[T, Hkv, D]``, post-RoPE keys, ``T > max(positions)``.
+        budgets: tokens picked per KV head (``ceil(b / page)`` pages).
+        estimators: as :data:`ESTIMATORS` (an estimator's own budgets are those of ``budgets`` it names).
+
+    Returns: ``{(name, budget): float32 [S, Hq] recall}`` (and ``("FIXED_ONLY", 0)``: the
+    always-read pages alone) and ``{("density", budget): float32 [S]}``, tokens read over ``t + 1``.
+    """
+    num_q, heads_q, dim = q.shape
+    heads_kv, group = keys.shape[1], heads_q // keys.shape[1]
+    scale = 1.0 / math.sqrt(dim)
+    pos = torch.tensor(positions)
+    num_total = math.ceil(keys.shape[0] / page)
+    kx = keys.repeat_interleave(group, dim=1)  # [T, Hq, D]
+    logits = torch.einsum("shd,thd->sht", q, kx) * scale
+    logits = logits.masked_fill(torch.arange(keys.shape[0]) > pos[:, None, None], float("-inf"))
+    logits = F.pad(logits, (0, num_total * page - keys.shape[0]), value=float("-inf"))
+    paged = logits.view(num_q, heads_q, num_total, page)
+    mass = torch.softmax(logits, dim=-1).view_as(paged).sum(-1)  # [S, Hq, NP]
+    page_logits = paged.logsumexp(-1) / scale  # [S, Hq, NP], in page_bounds' units
+    sink_pages, tail = math.ceil(sink / page), math.ceil(recent / page) + 1
+    num_pages = (pos + page) // page  # ceil((t + 1) / page)
+    ids = torch.arange(num_total)
+    fixed = (ids < sink_pages) | ((ids >= (num_pages - tail)[:, None]) & (ids < num_pages[:, None]))  # [S, NP]
+    count = (num_pages - sink_pages - tail).clamp(min=0)
+    width = int(count.max())
+    cols = torch.arange(width)
+    pages = torch.where(cols < count[:, None], cols + sink_pages, -1)  # [S, C]
+    in_context = torch.minimum((pos[:, None] + 1 - ids * page).clamp(0, page), torch.tensor(page))  # [S, NP]
+    out = {("FIXED_ONLY", 0): (mass * fixed[:, None]).sum(-1)}  # no picks: sinks, recent and current pages
+    for name, (kind, weight, combine, own) in estimators.items():
+        scores = page_scores(page_scores_for(kind, weight, q, keys, pages, page_logits, page), scale, heads_kv,
+                             combine)  # [S, Hkv, C]
+        for budget in [b for b in budgets if own is None or b in own]:
+            picks = top_pages(scores, math.ceil(budget / page))  # [S, Hkv, k] candidate columns
+            read = torch.cat([fixed, fixed.new_zeros(num_q, 1)], 1)[:, None].repeat(1, heads_kv, 1)  # last: no pick
+            read.scatter_(2, torch.where(picks >= 0, picks + sink_pages, num_total), True)
+            read = read[..., :num_total]
+            read_q = read.repeat_interleave(group, dim=1)  # [S, Hq, NP]
+            out[(name, budget)] = (mass * read_q).sum(-1)
+            out[("density", budget)] = (in_context[:, None] * read).sum(-1)[:, 0].float() / (pos + 1)
+    return out
+
+
+class Capture:
+    """Records each layer's post-RoPE queries at ``positions`` and all keys during one forward."""
+
+    name = "page_recall_capture"
+
+    def __init__(self):
+        self.positions: list[int] = []
+        self.q: dict[int, torch.Tensor] = {}  # layer -> float32 [S, Hq, D]
+        self.k: dict[int, torch.Tensor] = {}  # layer -> float32 [T, Hkv, D]
+
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """AttentionInterface function: query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``."""
+        self.q[module.layer_idx] = query[0, :, self.positions].transpose(0, 1).float().clone()
+        self.k[module.layer_idx] = key[0].transpose(0, 1).float().clone()
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             is_causal=attention_mask is None, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def load_model(path: str, capture: Capture):
+    """The float32 model with ``capture``'s attention, and its tokenizer."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(capture.name, capture.attention)
+    AttentionMaskInterface.register(capture.name, sdpa_mask)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=capture.name)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def study(model, tokenizer, capture: Capture, sample: dict, budgets: list[int]) -> tuple[dict, float]:
+    """One sample: ``{(name, budget): float32 [layers, S, Hq]}`` (position 0: the last prompt
+    token) and the fraction of answer tokens the model predicts (teacher-forced argmax)."""
+    answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
+    prompt_len = len(sample["input_ids"])
+    ids = torch.tensor([sample["input_ids"] + answer])
+    capture.positions = list(range(prompt_len - 1, ids.shape[1]))
+    with torch.inference_mode():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        predicted = model.lm_head(hidden[0, prompt_len - 1:-1]).argmax(-1)
+        accuracy = (predicted == torch.tensor(answer)).float().mean().item()
+        per_layer = [layer_recall(capture.q[i], capture.k[i], capture.positions, budgets)
+                     for i in sorted(capture.k)]
+    return {key: torch.stack([r[key] for r in per_layer]) for key in per_layer[0]}, accuracy
+
+
+def summarize(results: dict, budgets: list[int], group: int) -> dict:
+    """Aggregate ``{task: [sample dicts of (name, budget) -> [L, S, Hq]]}`` into the JSON report."""
+    keys = [k for k in next(iter(results.values()))[0] if k[0] != "density"]
+    report = {"density": {str(b): torch.cat([r[("density", b)].flatten() for rs in results.values() for r in rs])
+                          .mean().item() for b in budgets}, "recall": {}}
+    for name, budget in keys:
+        runs = [r[(name, budget)] for rs in results.values() for r in rs]  # [L, S, Hq] each
+        mins = [x.unflatten(2, (-1, group)).amin(3) for x in runs]  # [L, S, Hkv]
+
+        def mean(parts, sl=slice(None)):
+            return torch.cat([p[:, sl].flatten() for p in parts]).mean().item()
+
+        entry = {"mean": mean(runs), "group_min": mean(mins), "last_prompt": mean(runs, slice(0, 1)),
+                 "last_prompt_group_min": mean(mins, slice(0, 1)), "answer": mean(runs, slice(1, None)),
+                 "answer_group_min": mean(mins, slice(1, None)),
+                 "by_task": {t: mean([r[(name, budget)] for r in rs]) for t, rs in results.items()}}
+        if budget in (0, 512):
+            entry["per_layer"] = torch.cat([x.flatten(1) for x in runs], 1).mean(1).tolist()
+        report["recall"].setdefault(name, {})[str(budget)] = entry
+    return report
+
+
+def main(argv=None) -> None:
+    """Parse arguments, build the samples, run the study, print the JSON."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(default_dest("qwen2.5-coder-0.5b")),
+                   help="the converted model (python -m nanovllm.fetch qwen2.5-coder-0.5b)")
+    p.add_argument("--tasks", default=TASKS)
+    p.add_argument("--num-samples", type=int, default=4)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--budgets", default="256,512,1024")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from tools import ruler
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    capture = Capture()
+    model, tokenizer = load_model(args.model, capture)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    input_len = args.length - max(ruler.MAX_NEW_TOKENS.values())  # as benchmarks/ruler_sweep.py
+    results, accuracy, start = {}, {}, time.time()
+    for task in args.tasks.split(","):
+        samples = ruler.generate_samples(tokenizer, task, args.num_samples, input_len, seed=args.seed)
+        results[task], accuracy[task] = [], []
+        for i, sample in enumerate(samples):
+            recall, acc = study(model, tokenizer, capture, sample, budgets)
+            results[task].append(recall)
+            accuracy[task].append(acc)
+            print(f"{task} {i}: answer-token accuracy {acc:.2f}, {time.time() - start:.0f} s", file=sys.stderr)
+    report = {"model": args.model, "length": args.length, "prompt_tokens": input_len, "tasks": list(results),
+              "num_samples": args.num_samples, "seed": args.seed, "budgets": budgets,
+              "seconds": round(time.time() - start, 1), "answer_token_accuracy": accuracy,
+              **summarize(results, budgets, group)}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
