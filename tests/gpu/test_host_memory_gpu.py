@@ -85,12 +85,12 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     # a run of consecutive host blocks across a registration boundary: two copies, each inside one
     r = tier.memory.registration_blocks
     assert r is not None and 0 < r < blocks - 1
-    run = [r - 2, r - 1, r]
+    run = [r - 1, r, r + 1]
     tier.load(1, 3, 1, run)
     tier.wait(1)
     k, v, _, _ = tier.slots(3, 3)
     torch.cuda.synchronize()
-    assert torch.equal(k.cpu(), tier.k_host[1, r - 2:r + 1]) and torch.equal(v.cpu(), tier.v_host[1, r - 2:r + 1])
+    assert torch.equal(k.cpu(), tier.k_host[1, r - 1:r + 2]) and torch.equal(v.cpu(), tier.v_host[1, r - 1:r + 2])
     page = 16
     ppb = shape[0] // page
     k_pages, v_pages = (cache[1].view(-1, page, *shape[1:]) for cache in (tier.k_host, tier.v_host))
