@@ -70,7 +70,7 @@ SPARSE_OPTIONS = ("sparse_page_size", "sparse_token_budget", "sparse_sink_tokens
 """Engine options of the ``--sparse-*`` arguments, passed when given (None: the engine's default)."""
 
 
-def _engine_kwargs(args, mode: str) -> dict:
+def engine_kwargs(args, mode: str) -> dict:
     policy = "FULL" if mode == "tiered-full" else args.sparse_policy
     kwargs = dict(max_model_len=args.input_len + args.decode_tokens, kvcache_block_size=args.block_size,
                   max_num_seqs=args.num_seqs, enforce_eager=args.enforce_eager, device=args.device,
@@ -92,7 +92,8 @@ def _engine_kwargs(args, mode: str) -> dict:
     return kwargs
 
 
-def _prompts(args, vocab_size: int) -> list[list[int]]:
+def random_prompts(args, vocab_size: int) -> list[list[int]]:
+    """``args.num_seqs`` prompts of ``args.input_len`` random token ids (seed 0)."""
     g = torch.Generator().manual_seed(0)
     high = min(30000, vocab_size)
     return [torch.randint(1, high, (args.input_len,), generator=g).tolist() for _ in range(args.num_seqs)]
@@ -109,6 +110,12 @@ def _step_until(llm, done, step_times: list | None = None) -> list:
             step_times.append(time.perf_counter() - t)
     sync()
     return finished
+
+
+def step_until_decoding(llm) -> list:
+    """Step until every added request is prefilled and has its first token; the sequences finished."""
+    return _step_until(llm, lambda: not llm.scheduler.waiting and all(
+        s.num_completion_tokens for s in llm.scheduler.running))
 
 
 def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_seqs: int) -> float:
@@ -153,7 +160,7 @@ def _sparse_stats(llm) -> dict:
 
 def run_mode(args, mode: str, bw: dict) -> dict:
     try:
-        llm = LLM(args.model, **_engine_kwargs(args, mode))
+        llm = LLM(args.model, **engine_kwargs(args, mode))
     except (RuntimeError, ValueError) as err:
         return {"error": str(err)}
     try:
@@ -172,12 +179,11 @@ def _measure(llm, args, bw: dict) -> dict:
     llm.reset_sparse_stats()
     before = llm.get_kv_cache_stats()
     host_bytes_before = _host_bytes_read(llm)
-    for prompt in _prompts(args, llm.config.hf_config.vocab_size):
+    for prompt in random_prompts(args, llm.config.hf_config.vocab_size):
         llm.add_request(prompt, params)
     sync()
     t0 = time.perf_counter()
-    finished = _step_until(llm, lambda: not llm.scheduler.waiting and all(
-        s.num_completion_tokens for s in llm.scheduler.running))
+    finished = step_until_decoding(llm)
     ttft = time.perf_counter() - t0
     # The first decode step places (and may spill) every sequence's next block and compiles the
     # decode kernels on a fresh Triton cache: decode is timed from the second step on.

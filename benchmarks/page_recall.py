@@ -11,10 +11,10 @@ every answer token. Per layer, KV head and position ``t`` (keys ``0..t``, as in 
 - pages of 16 tokens; always read (nanovllm/sparse/choosing.py, kvcache/selection.py): the first
   page (16 sinks), the 16 pages (256 tokens) before the page holding ``t``, and that page; the
   candidates are every other page (all full);
-- each estimator scores the candidates as the engine does (nanovllm.ops.quest_scores): QUEST-w
-  ``box_scores`` with radius weight ``w``, MOMENTS ``page_bounds`` of the key mean and variance,
-  ORACLE the logsumexp of the page's exact scores; ``page_scores`` combines the GQA group
-  ("max", or "sum") and ``top_pages`` keeps ``budget / 16`` pages;
+- each estimator is the engine's policy (nanovllm/sparse: QUEST with radius weight ``w``, MOMENTS,
+  ORACLE), its page metadata built from the keys by ``on_pages_full`` and its picks made by
+  ``select_decode_pages`` (the GQA group combined by "max", or "sum"; ``budget / 16`` pages, best
+  first, so a smaller budget's picks are the first of a larger one's);
 - recall of a query head = its attention mass in the always-read and selected pages.
 
 Output (JSON on stdout, and --out): per estimator and budget the mean recall over samples,
@@ -38,36 +38,39 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.fetch import default_dest
-from nanovllm.ops.quest_scores import box_scores, page_bounds, page_scores, top_pages
+from nanovllm.sparse import DecodeCandidates
+from nanovllm.sparse.moments import MomentsPolicy
+from nanovllm.sparse.oracle import OraclePolicy
+from nanovllm.sparse.quest import QuestPolicy
 
 TASKS = "niah_multiquery,niah_multivalue,niah_single_uuids,fwe,niah_multikey"
 ESTIMATORS = {"ORACLE": ("oracle", None, "max", None), **{f"QUEST_w{w}": ("quest", w, "max", None) for w in
               (1.0, 0.75, 0.5, 0.25, 0.0)}, "MOMENTS": ("moments", None, "max", None),
               "ORACLE_sum": ("oracle", None, "sum", (512,)), "QUEST_w0.5_sum": ("quest", 0.5, "sum", (512,))}
 """name -> (kind, radius weight, group combine, budgets: None for every budget)."""
+POLICIES = {"quest": QuestPolicy, "moments": MomentsPolicy, "oracle": OraclePolicy}
+"""kind -> the engine's policy class, which scores and picks exactly as in decode."""
 MAX_ANSWER_TOKENS = 16
 
 
-def page_scores_for(kind: str, weight: float | None, q: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor,
-                    page_logits: torch.Tensor, page: int) -> torch.Tensor:
-    """One estimator's per-query-head page logits, in ``page_bounds``' units (before the scale).
+def choose(kind: str, weight: float | None, combine: str, q: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor,
+           first: int, page: int, budget: int) -> torch.Tensor:
+    """The engine's policy of ``kind`` ("quest" with radius weight ``weight``, "moments", "oracle")
+    choosing among ``pages``: its metadata built from ``keys``' full pages as one block
+    (``on_pages_full``), its picks by ``select_decode_pages``.
 
-    Args: kind "oracle" / "quest" / "moments"; weight QUEST's radius weight; q float32 ``[S, Hq,
-    D]``; keys float32 ``[T, Hkv, D]``; pages int64 ``[S, C]`` candidate page ids (-1: none);
-    page_logits float32 ``[S, Hq, NP]``, logsumexp of ``q . k`` over each page (ORACLE's).
+    Args: q float32 ``[S, Hq, D]``; keys float32 ``[T, Hkv, D]``; pages int64 ``[S, C]`` candidate
+    page ids (-1: none), candidate 0 being logical page ``first``; budget tokens per KV head.
 
-    Returns: float32 ``[S, C, Hq]``, -inf where ``pages`` is -1.
+    Returns: int64 ``[S, Hkv, k]`` candidate columns, best first, -1 for none.
     """
     full = keys.shape[0] // page
-    paged = keys[:full * page].view(full, page, *keys.shape[1:])  # [full pages, P, Hkv, D]
-    if kind == "quest":  # QuestPolicy: element-wise key bounds
-        return box_scores(q, paged.amin(1), paged.amax(1), pages, weight)
-    if kind == "moments":  # MomentsPolicy.on_pages_full / select_decode_pages
-        var, mean = torch.var_mean(paged, dim=1, correction=0)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        return page_bounds(q, mean, mean, pages) + page_bounds(q * q, var, var, pages) * (0.5 * scale)
-    out = page_logits.transpose(1, 2).gather(1, pages.clamp(min=0)[..., None].expand(-1, -1, q.shape[1]))
-    return out.masked_fill((pages < 0)[..., None], float("-inf"))  # OraclePolicy: exact logsumexp
+    extra = {"radius_weight": weight} if kind == "quest" else {}
+    policy = POLICIES[kind](1.0 / math.sqrt(q.shape[-1]), page_size=page, budget_tokens=budget, group_score=combine,
+                            **extra)
+    policy.allocate(1, full * page, keys.shape[1], keys.shape[2], keys.dtype, keys.device, 1, 0)
+    policy.on_pages_full(keys[None, None, :full * page], torch.zeros(1, dtype=torch.long))
+    return policy.select_decode_pages(0, q, DecodeCandidates(list(range(q.shape[0])), pages, first, keys.shape[1]))
 
 
 def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budgets: list[int],
@@ -94,7 +97,6 @@ def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budg
     logits = F.pad(logits, (0, num_total * page - keys.shape[0]), value=float("-inf"))
     paged = logits.view(num_q, heads_q, num_total, page)
     mass = torch.softmax(logits, dim=-1).view_as(paged).sum(-1)  # [S, Hq, NP]
-    page_logits = paged.logsumexp(-1) / scale  # [S, Hq, NP], in page_bounds' units
     sink_pages, tail = math.ceil(sink / page), math.ceil(recent / page) + 1
     num_pages = (pos + page) // page  # ceil((t + 1) / page)
     ids = torch.arange(num_total)
@@ -106,10 +108,10 @@ def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budg
     in_context = torch.minimum((pos[:, None] + 1 - ids * page).clamp(0, page), torch.tensor(page))  # [S, NP]
     out = {("FIXED_ONLY", 0): (mass * fixed[:, None]).sum(-1)}  # no picks: sinks, recent and current pages
     for name, (kind, weight, combine, own) in estimators.items():
-        scores = page_scores(page_scores_for(kind, weight, q, keys, pages, page_logits, page), scale, heads_kv,
-                             combine)  # [S, Hkv, C]
-        for budget in [b for b in budgets if own is None or b in own]:
-            picks = top_pages(scores, math.ceil(budget / page))  # [S, Hkv, k] candidate columns
+        mine = [b for b in budgets if own is None or b in own]
+        best = choose(kind, weight, combine, q, keys, pages, sink_pages, page, max(mine))  # best first
+        for budget in mine:
+            picks = best[..., :math.ceil(budget / page)]  # [S, Hkv, k] candidate columns: a budget's picks
             read = torch.cat([fixed, fixed.new_zeros(num_q, 1)], 1)[:, None].repeat(1, heads_kv, 1)  # last: no pick
             read.scatter_(2, torch.where(picks >= 0, picks + sink_pages, num_total), True)
             read = read[..., :num_total]

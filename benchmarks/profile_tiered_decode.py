@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_offload import _engine_kwargs, _prompts, build_parser, parse_args, sync
+from bench_offload import build_parser, engine_kwargs, parse_args, random_prompts, step_until_decoding, sync
 from benchmarks.hardware import bandwidths
 from benchmarks.profile_decode import host_profile, per_unit, run_steps
 from nanovllm import LLM, SamplingParams
@@ -53,12 +53,11 @@ def main() -> None:
     if args.decode_tokens < 3 * args.steps + 3:
         parser.error(f"--decode-tokens must be at least 3 x --steps + 3 = {3 * args.steps + 3}, "
                      f"got {args.decode_tokens}")
-    llm = LLM(args.model, **_engine_kwargs(args, "tiered"))
+    llm = LLM(args.model, **engine_kwargs(args, "tiered"))
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    for prompt in _prompts(args, llm.config.hf_config.vocab_size):
+    for prompt in random_prompts(args, llm.config.hf_config.vocab_size):
         llm.add_request(prompt, params)
-    while llm.scheduler.waiting or not all(s.num_completion_tokens for s in llm.scheduler.running):
-        llm.step()
+    step_until_decoding(llm)
     run_steps(llm, 2)
     host = llm.model_runner.cache.host
     loaded = host.loaded_bytes()

@@ -275,6 +275,6 @@ def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
                                  num_reuse_cache_blocks=-1, kv_cache_dtype="auto",
                                  **{name: None for name in bench_offload.SPARSE_OPTIONS})
     args.sparse_token_budget = 512
-    quest, full = (bench_offload._engine_kwargs(args, mode) for mode in ("tiered", "tiered-full"))
+    quest, full = (bench_offload.engine_kwargs(args, mode) for mode in ("tiered", "tiered-full"))
     assert quest["sparse_policy"] == "QUEST" and quest["sparse_token_budget"] == 512
     assert full["sparse_policy"] == "FULL" and not set(bench_offload.SPARSE_OPTIONS) & set(full)

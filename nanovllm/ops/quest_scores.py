@@ -153,27 +153,34 @@ def box_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: t
     launch of :func:`page_bounds`'s kernel, which reads each page's bounds once and combines the
     two in fp32 (four ``tl.dot``; two when ``w`` is 1). CPU (or float64): :func:`box_scores_ref`.
     """
-    if not 0.0 <= radius_weight <= 1.0:
-        raise ValueError(f"radius_weight must be in [0, 1], got {radius_weight!r}")
+    weights = _box_weights(radius_weight)
     _check_bounds_args(q, kmin, kmax, pages)
     if q.dtype == torch.float64 or not use_triton(q):
         return box_scores_ref(q, kmin, kmax, pages, radius_weight)
-    if radius_weight == 1.0:
-        return _launch(q, kmin, kmax, pages, None)
-    return _launch(q, kmin, kmax, pages, ((1.0 + radius_weight) / 2, (1.0 - radius_weight) / 2))
+    return _launch(q, kmin, kmax, pages, weights)
 
 
 def box_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
                    radius_weight: float) -> torch.Tensor:
     """Reference of :func:`box_scores` (same arguments and result): the upper and lower bounds by
     :func:`page_bounds_ref`, combined in float32 (float64 for float64 q)."""
+    weights = _box_weights(radius_weight)
+    upper = page_bounds_ref(q, kmin, kmax, pages)
+    if weights is None:
+        return upper
+    return upper * weights[0] + page_bounds_ref(q, kmax, kmin, pages) * weights[1]
+
+
+def _box_weights(radius_weight: float) -> tuple[float, float] | None:
+    """``((1 + w) / 2, (1 - w) / 2)``, the weights of the upper and lower bounds in a box score, or
+    None for ``w`` = 1 (the upper bound alone).
+
+    Raises:
+        ValueError: radius_weight outside [0, 1].
+    """
     if not 0.0 <= radius_weight <= 1.0:
         raise ValueError(f"radius_weight must be in [0, 1], got {radius_weight!r}")
-    upper = page_bounds_ref(q, kmin, kmax, pages)
-    if radius_weight == 1.0:
-        return upper
-    lower = page_bounds_ref(q, kmax, kmin, pages)
-    return upper * ((1.0 + radius_weight) / 2) + lower * ((1.0 - radius_weight) / 2)
+    return None if radius_weight == 1.0 else ((1.0 + radius_weight) / 2, (1.0 - radius_weight) / 2)
 
 
 def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str) -> torch.Tensor:
