@@ -24,8 +24,9 @@ Settings, by name:
     full                              FULL, no host tier: the baseline of every pairing
     quest-p{P}-b{B}-{max|sum}-d{D}    QUEST: pages of P tokens (16, 32, 64), a budget of B tokens
                                       per KV head and step, group score max or sum, the first D
-                                      layers dense
-    quest-p{P}-b{B}-{max|sum}-w{W}-d{D}   the same with the radius weight W in [0, 1]
+                                      layers dense, pages scored by Quest's bound (radius weight 1)
+    quest-p{P}-b{B}-{max|sum}-w{W}-d{D}   the same with the radius weight W in [0, 1] (the engine's
+                                      default: 0.5)
     moments-p{P}-b{B}-{max|sum}-d{D}  MOMENTS: QUEST's options, pages chosen by a Gaussian estimate of
                                       their attention mass from their keys' mean and variance
     oracle-p{P}-b{B}-{max|sum}-d{D}   ORACLE: QUEST's options, pages chosen by their exact attention
@@ -44,11 +45,12 @@ Settings, by name:
     ...-fp8                           (any of the above) the KV cache in fp8 e4m3 (kv_cache_dtype)
 
 Without --settings the grid names them: FULL, and for --policies (QUEST, STREAMING) the values
-of --page-sizes, --budgets, --group-scores and --dense-layers (STREAMING takes only the page
-size and the dense layers), over the host tier with --host-tier. --design oat (the default)
-varies one option at a time from the base, the first value of each list (by default p16, 2048
-tokens, max, 0 dense layers: 7 QUEST rows, 4 STREAMING rows); --design full crosses them all
-(36 QUEST rows, 6 STREAMING rows by default). --list prints the names and exits.
+of --page-sizes, --budgets, --group-scores, --radius-weights and --dense-layers (STREAMING takes
+only the page size and the dense layers), over the host tier with --host-tier. --design oat (the
+default) varies one option at a time from the base, the first value of each list (by default the
+engine's defaults: p16, 2944 tokens, sum, radius weight 0.5, 0 dense layers: 8 QUEST rows, 4
+STREAMING rows); --design full crosses them all (72 QUEST rows, 6 STREAMING rows by default).
+--list prints the names and exits.
 
 Building the samples takes ~10 s per 32K length on one core; --make-samples saves them once
 (e.g. to carry them to a GPU machine):
@@ -82,7 +84,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _eval_engine import DEFAULT_TOKEN_BUDGET, sparse_options  # noqa: E402
+from _eval_engine import sparse_options  # noqa: E402
 from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
@@ -95,6 +97,9 @@ ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 answer fit a model whose context is L (Qwen2.5-Coder-0.5B: 32,768)."""
 BASELINE = "full"
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+QUEST_BOUND = 1.0
+"""The radius weight of a QUEST name without ``-w<W>``: Quest's upper bound, whatever the engine's
+default, so that a name means one setting in every sweep's lines."""
 DEFAULT_SINK_TOKENS, DEFAULT_RECENT_TOKENS = _ENGINE_DEFAULTS["sparse_sink_tokens"], _ENGINE_DEFAULTS["sparse_recent_tokens"]
 """The engine's ``sparse_sink_tokens`` / ``sparse_recent_tokens`` defaults: a name gives its own
 only when they differ (``-s<S>-r<R>``)."""
@@ -145,19 +150,22 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
                   sparse_recent_tokens=int(m["recent"]) if m["recent"] else recent_tokens)
     if m["budget"] is not None:
         fields.update(sparse_token_budget=int(m["budget"]), sparse_group_score=m["score"])
-        if m["weight"] is not None:
-            if m["policy"] != "quest":
-                raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
-            fields["sparse_radius_weight"] = float(m["weight"])
+        if m["weight"] is not None and m["policy"] != "quest":
+            raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
+        if m["policy"] == "quest":
+            fields["sparse_radius_weight"] = QUEST_BOUND if m["weight"] is None else float(m["weight"])
     if m["host"]:
         fields.update(enable_offload=True)
     return fields
 
 
 def choosing_name(policy: str, page: int, dense: int, budget: int | None = None, score: str | None = None,
-                  sink: int = DEFAULT_SINK_TOKENS, recent: int = DEFAULT_RECENT_TOKENS, host: bool = False) -> str:
-    """The name of a QUEST (``budget`` and ``score`` given) or STREAMING setting."""
-    name = f"{policy.lower()}-p{page}" + (f"-b{budget}-{score}" if budget is not None else "") + f"-d{dense}"
+                  sink: int = DEFAULT_SINK_TOKENS, recent: int = DEFAULT_RECENT_TOKENS, host: bool = False,
+                  weight: float = QUEST_BOUND) -> str:
+    """The name of a QUEST (``budget``, ``score`` and ``weight``, its radius weight, given) or
+    STREAMING setting."""
+    name = f"{policy.lower()}-p{page}" + (f"-b{budget}-{score}" if budget is not None else "")
+    name += (f"-w{weight:g}" if weight != QUEST_BOUND else "") + f"-d{dense}"
     if (sink, recent) != (DEFAULT_SINK_TOKENS, DEFAULT_RECENT_TOKENS):
         name += f"-s{sink}-r{recent}"
     return name + ("-host" if host else "")
@@ -165,10 +173,10 @@ def choosing_name(policy: str, page: int, dense: int, budget: int | None = None,
 
 def grid(policies: list[str], pages: list[int], budgets: list[int], scores: list[str], dense: list[int],
          design: str, sink: int = DEFAULT_SINK_TOKENS, recent: int = DEFAULT_RECENT_TOKENS,
-         host: bool = False) -> list[str]:
+         host: bool = False, weights: list[float] = (QUEST_BOUND,)) -> list[str]:
     """FULL, then the QUEST and STREAMING rows of the grid (module docstring): ``design`` "oat"
     varies one option at a time from the first value of each list, "full" crosses them."""
-    axes = [pages, budgets, scores, dense]
+    axes = [pages, budgets, scores, dense, list(weights)]
     if design == "full":
         points = list(itertools.product(*axes))
     else:
@@ -177,9 +185,9 @@ def grid(policies: list[str], pages: list[int], budgets: list[int], scores: list
                                   for i, axis in enumerate(axes) for value in axis[1:]]
     names = [BASELINE]
     for policy in policies:
-        for page, budget, score, layers in points:
+        for page, budget, score, layers, weight in points:
             if policy == "QUEST":
-                names.append(choosing_name(policy, page, layers, budget, score, sink, recent, host))
+                names.append(choosing_name(policy, page, layers, budget, score, sink, recent, host, weight))
             else:  # STREAMING: no budget, no group score
                 names.append(choosing_name(policy, page, layers, sink=sink, recent=recent, host=host))
     return list(dict.fromkeys(names))
@@ -480,14 +488,19 @@ def table(paths: str | list[str]) -> str:
 
 
 # ---- command line ---------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
+def _numbers(kind: type, what: str):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return values
+    return parse
+
+
+_ints, _floats = _numbers(int, "integers"), _numbers(float, "numbers")
 
 
 def _words(choices):
@@ -535,10 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_words(("QUEST", "STREAMING")), default=["QUEST", "STREAMING"],
                    help="grid: the choosing policies besides FULL (default QUEST,STREAMING)")
     p.add_argument("--page-sizes", type=_ints, default=[16, 32, 64], help="grid: sparse_page_size (default 16,32,64)")
-    p.add_argument("--budgets", type=_ints, default=[DEFAULT_TOKEN_BUDGET, 1024, 4096],
-                   help=f"grid: QUEST's sparse_token_budget (default {DEFAULT_TOKEN_BUDGET},1024,4096)")
-    p.add_argument("--group-scores", type=_words(("max", "sum")), default=["max", "sum"],
-                   help="grid: QUEST's sparse_group_score (default max,sum)")
+    budgets = [_ENGINE_DEFAULTS["sparse_token_budget"], 1024, 4096]
+    scores = sorted(("max", "sum"), key=lambda score: score != _ENGINE_DEFAULTS["sparse_group_score"])
+    weights = [_ENGINE_DEFAULTS["sparse_radius_weight"], QUEST_BOUND]
+    p.add_argument("--budgets", type=_ints, default=budgets,
+                   help=f"grid: QUEST's sparse_token_budget (default {','.join(map(str, budgets))})")
+    p.add_argument("--group-scores", type=_words(("max", "sum")), default=scores,
+                   help=f"grid: QUEST's sparse_group_score (default {','.join(scores)})")
+    p.add_argument("--radius-weights", type=_floats, default=weights,
+                   help=f"grid: QUEST's sparse_radius_weight, each in [0, 1] (default {','.join(f'{w:g}' for w in weights)})")
     p.add_argument("--dense-layers", type=_ints, default=[0, 2], help="grid: sparse_dense_layers (default 0,2)")
     p.add_argument("--design", choices=("oat", "full"), default="oat",
                    help="grid: one option at a time from the first values (default), or every combination")
@@ -581,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.settings is None:
         args.settings = grid(args.policies, args.page_sizes, args.budgets, args.group_scores, args.dense_layers,
-                             args.design, args.sink_tokens, args.recent_tokens, args.host_tier)
+                             args.design, args.sink_tokens, args.recent_tokens, args.host_tier, args.radius_weights)
     longest = max(args.lengths)
     for name in args.settings:  # every setting's options, checked before any model is loaded
         try:

@@ -10,7 +10,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
-from nanovllm.sparse import choosing_policy_names, policy_class, registered_policies
+from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, choosing_policy_names,
+                             policy_class, registered_policies)
 from nanovllm.utils.checks import check_bool, check_range, is_integer
 from nanovllm.utils.dtypes import check_kv_cache_device, resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
@@ -31,7 +32,6 @@ def _resolve_device(device: str) -> str:
 
 
 _DEPRECATED_NAMES = ("num_gpu_blocks", "sparse_topk_blocks")
-_DEFAULT_TOKEN_BUDGET = 2048
 """Config fields kept for old callers (each warns and says its new name); not listed in errors."""
 
 _VLLM_HINTS = {
@@ -179,10 +179,11 @@ class Config:
             sinks) and the last tokens before the page being written, which every decode step reads
             (rounded up to whole pages), in [0, max_model_len].
         sparse_dense_layers: QUEST / STREAMING: the first layers read every page, >= 0.
-        sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "max" or
-            "sum".
+        sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "sum"
+            (default) or "max".
         sparse_radius_weight: QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0
-            is Quest's upper bound of ``q . k``, 0.0 the score of the page's key-box center.
+            is Quest's upper bound of ``q . k``, 0.0 the score of the page's key-box center
+            (default 0.5).
         sparse_topk_blocks: deprecated: ``sparse_token_budget = sparse_topk_blocks x
             kvcache_block_size`` (warns; giving both is a ValueError).
         num_reuse_cache_blocks: a choosing policy with the host tier: GPU blocks (of every layer)
@@ -234,12 +235,12 @@ class Config:
     cpu_memory_utilization: float = 0.5
     sparse_policy: str = "FULL"
     sparse_page_size: int = 16
-    sparse_token_budget: int = _DEFAULT_TOKEN_BUDGET
+    sparse_token_budget: int = DEFAULT_TOKEN_BUDGET
     sparse_sink_tokens: int = 16
     sparse_recent_tokens: int = 256
     sparse_dense_layers: int = 0
-    sparse_group_score: str = "max"
-    sparse_radius_weight: float = 1.0
+    sparse_group_score: str = DEFAULT_GROUP_SCORE
+    sparse_radius_weight: float = DEFAULT_RADIUS_WEIGHT
     sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x kvcache_block_size
     num_reuse_cache_blocks: int = -1
     sparse_threshold: float = 0.97
@@ -334,7 +335,7 @@ class Config:
                           "pages per KV head; use sparse_token_budget (tokens per KV head and step)",
                           DeprecationWarning, stacklevel=5)
             check_range("sparse_topk_blocks", self.sparse_topk_blocks, 1)
-            if self.sparse_token_budget != _DEFAULT_TOKEN_BUDGET:
+            if self.sparse_token_budget != DEFAULT_TOKEN_BUDGET:
                 raise ValueError(f"sparse_topk_blocks={self.sparse_topk_blocks} and sparse_token_budget="
                                  f"{self.sparse_token_budget} both set the budget; give sparse_token_budget only")
             self.sparse_token_budget = self.sparse_topk_blocks * self.kvcache_block_size

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET
+
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
                  "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
                  "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
                  "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "kv_cache_dtype", "enforce_eager",
                  "gpu_memory_utilization")
-DEFAULT_TOKEN_BUDGET = 2048
-"""The engine's ``sparse_token_budget`` default (``nanovllm.config.Config``)."""
 
 
 @dataclass
@@ -43,8 +43,8 @@ class EngineSettings:
     sparse_sink_tokens: int = 16  # QUEST / STREAMING: always-read first tokens
     sparse_recent_tokens: int = 256  # QUEST / STREAMING: always-read last tokens
     sparse_dense_layers: int = 0  # QUEST / STREAMING: the first layers read everything
-    sparse_group_score: str = "max"  # QUEST: "max" or "sum" over a KV head's query heads
-    sparse_radius_weight: float = 1.0  # QUEST: 1.0 the key bound, 0.0 the key box's center
+    sparse_group_score: str = DEFAULT_GROUP_SCORE  # QUEST: "sum" or "max" over a KV head's query heads
+    sparse_radius_weight: float = DEFAULT_RADIUS_WEIGHT  # QUEST: 1.0 the key bound, 0.0 the key box's center
     sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x block_size (the engine warns)
     sparse_threshold: float = 0.97
     sparse_stride: int = 8

@@ -334,8 +334,8 @@ def test_sparse_options_reach_the_engine():
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     ours = {f.name: f.default for f in dataclasses.fields(RulerSettings)}
     for name in ("sparse_policy", "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens",
-                 "sparse_recent_tokens", "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks",
-                 "sparse_threshold", "sparse_stride"):
+                 "sparse_recent_tokens", "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight",
+                 "sparse_topk_blocks", "sparse_threshold", "sparse_stride"):
         assert ours[name] == defaults[name], name
 
     model = fetch_model()

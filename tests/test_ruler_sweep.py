@@ -1,5 +1,6 @@
 """benchmarks/ruler_sweep.py without a model: setting names, the paired difference, the tables
 and the split of a sweep into jobs (their command lines and the merge of their lines)."""
+import dataclasses
 import json
 import math
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from benchmarks import ruler_sweep as rs
+from nanovllm.config import Config
 
 
 def _line(setting, scores, length=4096, digest="d"):
@@ -33,7 +35,8 @@ def test_setting_names_parse_and_reject():
     with pytest.raises(ValueError, match="unknown setting 'oracle-p16-d0'"):
         rs.setting_fields("oracle-p16-d0")  # ORACLE needs a budget
     assert rs.setting_fields("quest-p16-b2048-max-w0.5-d0")["sparse_radius_weight"] == 0.5
-    assert "sparse_radius_weight" not in rs.setting_fields("quest-p16-b2048-max-d0")
+    assert rs.setting_fields("quest-p16-b2048-max-d0")["sparse_radius_weight"] == 1.0, "no -w: Quest's bound"
+    assert "sparse_radius_weight" not in rs.setting_fields("moments-p16-b2048-max-d0")
     assert rs.setting_fields("moments-p16-b2048-sum-d0")["sparse_policy"] == "MOMENTS"
     with pytest.raises(ValueError, match="the radius weight"):
         rs.setting_fields("oracle-p16-b2048-max-w0.5-d0")
@@ -44,6 +47,22 @@ def test_setting_names_parse_and_reject():
                                 device="cpu")
     assert settings.kv_cache_dtype == "fp8_e4m3" and settings.num_reuse_cache_blocks == 4, "reuse cells for its picks"
     assert settings.engine_kwargs()["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_grid_starts_at_the_engine_defaults_and_names_round_trip():
+    engine = {f.name: f.default for f in dataclasses.fields(Config)}
+    args = rs.build_parser().parse_args(["--lengths", "4096"])
+    names = rs.grid(args.policies, args.page_sizes, args.budgets, args.group_scores, args.dense_layers, args.design,
+                    weights=args.radius_weights)
+    assert names[0] == "full" and len(names) == 1 + 8 + 4
+    base = rs.setting_fields(names[1])
+    for option in ("sparse_policy", "sparse_page_size", "sparse_token_budget", "sparse_group_score",
+                   "sparse_radius_weight", "sparse_dense_layers"):
+        assert base[option] == (engine[option] if option != "sparse_policy" else "QUEST"), option
+    weights = {rs.setting_fields(n).get("sparse_radius_weight") for n in names if n.startswith("quest")}
+    assert weights == {engine["sparse_radius_weight"], 1.0}
+    assert rs.choosing_name("QUEST", 16, 0, 2048, "max", weight=0.25) == "quest-p16-b2048-max-w0.25-d0"
+    assert rs.choosing_name("QUEST", 16, 0, 2048, "max") == "quest-p16-b2048-max-d0"
 
 
 def test_paired_difference_is_mean_and_standard_error_of_per_sample_differences():

@@ -344,7 +344,7 @@ def test_model_or_tokenizer_path_that_is_a_file(qwen3_dir, llm, what):
 
 @pytest.mark.parametrize("policy, option, value, reader", [
     ("FULL", "sparse_token_budget", 512, "'QUEST' or 'MOMENTS' or 'ORACLE'"),
-    ("ORACLE", "sparse_radius_weight", 0.5, "'QUEST'"),
+    ("ORACLE", "sparse_radius_weight", 0.25, "'QUEST'"),
     ("FULL", "sparse_threshold", 0.5, "'XATTN_BSA'"),
     ("QUEST", "sparse_stride", 16, "'XATTN_BSA'"),
     ("XATTN_BSA", "sparse_page_size", 32, "'QUEST' or 'STREAMING' or 'MOMENTS' or 'ORACLE'"),

@@ -21,6 +21,17 @@ from nanovllm.sparse.choosing import ChoosingPolicy
 from nanovllm.sparse.policy import DecodeCandidates, register_policy
 from nanovllm.utils.checks import check_range
 
+DEFAULT_TOKEN_BUDGET = 2944
+"""``sparse_token_budget``'s default: tokens per KV head and decode step, besides the always-read
+ones. With the default 16 sink and 256 recent tokens and the page being written, decode reads at
+most 10% of a 32,768-token context's KV (20% of 16,384); docs/sparse.md, "Choosing the defaults"."""
+DEFAULT_GROUP_SCORE = "sum"
+"""``sparse_group_score``'s default: a KV head ranks its pages by the sum of its query heads'
+softmax shares."""
+DEFAULT_RADIUS_WEIGHT = 0.5
+"""``sparse_radius_weight``'s default: a page's score is its key box's center term plus half of
+Quest's radius term (:func:`~nanovllm.ops.quest_scores.box_scores`)."""
+
 
 @register_policy
 class QuestPolicy(ChoosingPolicy):
@@ -38,9 +49,9 @@ class QuestPolicy(ChoosingPolicy):
     options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_group_score", "sparse_radius_weight")
     needs_block_metadata = True
 
-    def __init__(self, scale: float, page_size: int = 16, budget_tokens: int = 2048, sink_tokens: int = 16,
-                 recent_tokens: int = 256, dense_layers: int = 0, group_score: str = "max",
-                 radius_weight: float = 1.0):
+    def __init__(self, scale: float, page_size: int = 16, budget_tokens: int = DEFAULT_TOKEN_BUDGET,
+                 sink_tokens: int = 16, recent_tokens: int = 256, dense_layers: int = 0,
+                 group_score: str = DEFAULT_GROUP_SCORE, radius_weight: float = DEFAULT_RADIUS_WEIGHT):
         check_range("sparse_token_budget", budget_tokens, 1)
         if group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {group_score!r}")
