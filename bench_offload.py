@@ -26,7 +26,8 @@ that chooses decode pages) and ``tiered-full`` (the host tier with the FULL poli
 ``decode_over_tiered_full``, the decode speed of each other tiered mode over it). The sparse
 options: ``--sparse-page-size`` (16, 32, 64), ``--sparse-token-budget`` (QUEST's tokens per KV head
 and step), ``--sparse-sink-tokens``, ``--sparse-recent-tokens``, ``--sparse-dense-layers``,
-``--sparse-group-score`` (QUEST: max or sum), ``--sparse-threshold`` (XATTN_BSA); each left
+``--sparse-group-score`` (QUEST: max or sum), ``--sparse-radius-weight`` (QUEST: in [0, 1]),
+``--sparse-threshold`` (XATTN_BSA); each left
 unset takes the engine's default. ``--sparse-topk-blocks`` is the engine's deprecated alias
 (budget = it x ``--block-size``). Reported per mode: TTFT of the batch (every sequence has its first token),
 prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
@@ -55,7 +56,8 @@ import torch
 
 from benchmarks.hardware import bandwidths
 from nanovllm import LLM, SamplingParams
-from nanovllm.sparse import policy_class, policy_names
+from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, policy_class,
+                             policy_names)
 from nanovllm.utils.dtypes import KV_CACHE_DTYPES
 from tools.random_checkpoint import SHAPES, cached_random_checkpoint
 
@@ -66,7 +68,8 @@ def sync():
 
 MODES = ("gpu", "tiered", "tiered-noreuse", "tiered-full")
 SPARSE_OPTIONS = ("sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
-                  "sparse_dense_layers", "sparse_group_score", "sparse_topk_blocks", "sparse_threshold")
+                  "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight", "sparse_topk_blocks",
+                  "sparse_threshold")
 """Engine options of the ``--sparse-*`` arguments, passed when given (None: the engine's default)."""
 
 
@@ -239,12 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sparse-page-size", type=int, choices=(16, 32, 64),
                         help="QUEST / STREAMING: tokens per page, chosen per KV head (engine default 16)")
     parser.add_argument("--sparse-token-budget", type=int,
-                        help="QUEST: tokens each KV head picks per decode step (engine default 2048)")
+                        help=f"QUEST: tokens each KV head picks per decode step (engine default {DEFAULT_TOKEN_BUDGET})")
     parser.add_argument("--sparse-sink-tokens", type=int, help="QUEST / STREAMING: always-read first tokens (16)")
     parser.add_argument("--sparse-recent-tokens", type=int, help="QUEST / STREAMING: always-read last tokens (256)")
     parser.add_argument("--sparse-dense-layers", type=int, help="QUEST / STREAMING: first layers read whole (0)")
     parser.add_argument("--sparse-group-score", choices=("max", "sum"),
-                        help="QUEST: how a KV head combines its query heads' page shares (max)")
+                        help=f"QUEST: how a KV head combines its query heads' page shares ({DEFAULT_GROUP_SCORE})")
+    parser.add_argument("--sparse-radius-weight", type=float,
+                        help=f"QUEST: weight of a page's key radius in its score, in [0, 1] ({DEFAULT_RADIUS_WEIGHT})")
     parser.add_argument("--sparse-topk-blocks", type=int,
                         help="deprecated: --sparse-token-budget = this x --block-size (the engine warns)")
     parser.add_argument("--sparse-threshold", type=float, help="XATTN_BSA: attention mass kept (0.97)")

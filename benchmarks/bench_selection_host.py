@@ -17,7 +17,7 @@ eagerly and the host never waits for the device's picks; what it does per step i
 The attention kernels and the gathers themselves are not launched. This times both parts alone at
 the shape of the 130K benchmark by default (Llama-3.1-8B: 32 layers, 32 query and 8 KV heads,
 head_dim 128; ``--seqs`` sequences of 32 4,096-token blocks, the first and the last in the GPU
-tier, the rest on the host; pages of 16 tokens, a budget of 2,048 tokens per KV head),
+tier, the rest on the host; pages of 16 tokens, the engine's default budget per KV head),
 ``--steps`` steps after ``--warmup``, with the reuse cache (the engine's default size, or
 ``--reuse-rows`` rows per layer) and without it, in alternating rounds (``--rounds``), the best
 round of each reported. On CUDA the times are the host's (launches; the device runs behind),
@@ -40,7 +40,7 @@ from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.kvcache.tier_rows import TierRows, staging_rows
-from nanovllm.sparse import policy_class
+from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, policy_class
 
 
 def _config(args, reuse_rows: int) -> SimpleNamespace:
@@ -48,7 +48,8 @@ def _config(args, reuse_rows: int) -> SimpleNamespace:
     return SimpleNamespace(sparse_policy=args.policy, sparse_page_size=args.page_size,
                            sparse_token_budget=args.budget, sparse_sink_tokens=args.sink_tokens,
                            sparse_recent_tokens=args.recent_tokens, sparse_dense_layers=args.dense_layers,
-                           sparse_group_score=args.group_score, kvcache_block_size=args.block_size,
+                           sparse_group_score=args.group_score, sparse_radius_weight=args.radius_weight,
+                           kvcache_block_size=args.block_size,
                            max_num_seqs=args.seqs, num_reuse_cache_blocks=reuse_rows, max_model_len=1 << 30)
 
 
@@ -142,11 +143,12 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=32, help="blocks of each sequence (>= 3)")
     p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64))
-    p.add_argument("--budget", type=int, default=2048, help="sparse_token_budget (QUEST)")
+    p.add_argument("--budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="sparse_token_budget (QUEST)")
     p.add_argument("--sink-tokens", type=int, default=16)
     p.add_argument("--recent-tokens", type=int, default=256)
     p.add_argument("--dense-layers", type=int, default=0)
-    p.add_argument("--group-score", default="max", choices=("max", "sum"))
+    p.add_argument("--group-score", default=DEFAULT_GROUP_SCORE, choices=("max", "sum"))
+    p.add_argument("--radius-weight", type=float, default=DEFAULT_RADIUS_WEIGHT, help="sparse_radius_weight (QUEST)")
     p.add_argument("--score", action="store_true", help="launch the policy's scoring (default: random picks)")
     p.add_argument("--reuse-rows", type=int, default=-1, help="reuse-cache rows per layer (-1: the engine's default)")
     p.add_argument("--steps", type=int, default=50)
@@ -174,7 +176,7 @@ def main(argv=None):
     best = {name: min(r, key=lambda x: x["build_ms"] + x["layers_ms"]) for name, r in runs.items()}
     shape = {k: getattr(args, k) for k in ("policy", "layers", "q_heads", "kv_heads", "head_dim", "seqs", "blocks",
                                            "block_size", "page_size", "budget", "sink_tokens", "recent_tokens",
-                                           "dense_layers", "group_score", "score", "steps", "device")}
+                                           "dense_layers", "group_score", "radius_weight", "score", "steps", "device")}
     total = {name: b["build_ms"] + b["layers_ms"] for name, b in best.items()}
     print(json.dumps({**shape, **best, "reuse_extra_ms": round(total["reuse"] - total["no_reuse"], 3)}))
 

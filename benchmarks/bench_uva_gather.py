@@ -31,6 +31,7 @@ import torch
 
 from nanovllm.kvcache.memcpy2d import memcpy_2d_async
 from nanovllm.ops import gather_host_pages, gather_host_pages_ref
+from nanovllm.sparse import DEFAULT_TOKEN_BUDGET
 
 DTYPE = torch.bfloat16
 
@@ -130,7 +131,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-dims", type=_ints, default=[64, 128])
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the layer (default 8, Llama-3.1-8B's)")
     p.add_argument("--host-tokens", type=int, default=131072, help="tokens of the host tier's layer (default 128K)")
-    p.add_argument("--budget", type=int, default=2048, help="tokens each KV head picks (default 2048)")
+    p.add_argument("--budget", type=int, default=DEFAULT_TOKEN_BUDGET,
+                   help=f"tokens each KV head picks (default {DEFAULT_TOKEN_BUDGET})")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: the same harness with the torch reference gather (checks it, measures nothing useful)")

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import model_runner
+from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET
 from tools.random_checkpoint import cached_random_checkpoint
 
 
@@ -47,11 +48,15 @@ def main():
                    help="num_reuse_cache_blocks (0: no reuse cache, -1: the engine's default)")
     p.add_argument("--input-len", type=int, default=130000)
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64), help="sparse_page_size (default 16)")
-    p.add_argument("--token-budget", type=int, default=2048, help="sparse_token_budget (default 2048)")
+    p.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET,
+                   help=f"sparse_token_budget (default {DEFAULT_TOKEN_BUDGET})")
     p.add_argument("--sink-tokens", type=int, default=16, help="sparse_sink_tokens (default 16)")
     p.add_argument("--recent-tokens", type=int, default=256, help="sparse_recent_tokens (default 256)")
     p.add_argument("--dense-layers", type=int, default=0, help="sparse_dense_layers (default 0)")
-    p.add_argument("--group-score", default="max", choices=("max", "sum"), help="sparse_group_score (default max)")
+    p.add_argument("--group-score", default=DEFAULT_GROUP_SCORE, choices=("max", "sum"),
+                   help=f"sparse_group_score (default {DEFAULT_GROUP_SCORE})")
+    p.add_argument("--radius-weight", type=float, default=DEFAULT_RADIUS_WEIGHT,
+                   help=f"sparse_radius_weight (default {DEFAULT_RADIUS_WEIGHT})")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trace", help="write the profiler's Chrome trace here")
     args = p.parse_args()
@@ -62,7 +67,8 @@ def main():
               num_kvcache_blocks=2, num_ring_slots=4, sparse_policy="QUEST", sparse_page_size=args.page_size,
               sparse_token_budget=args.token_budget, sparse_sink_tokens=args.sink_tokens,
               sparse_recent_tokens=args.recent_tokens, sparse_dense_layers=args.dense_layers,
-              sparse_group_score=args.group_score, num_reuse_cache_blocks=args.reuse_rows)
+              sparse_group_score=args.group_score, sparse_radius_weight=args.radius_weight,
+              num_reuse_cache_blocks=args.reuse_rows)
     launches = []
     run_model = model_runner.ModelRunner.run_model
 

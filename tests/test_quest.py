@@ -278,3 +278,17 @@ def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
     quest, full = (bench_offload.engine_kwargs(args, mode) for mode in ("tiered", "tiered-full"))
     assert quest["sparse_policy"] == "QUEST" and quest["sparse_token_budget"] == 512
     assert full["sparse_policy"] == "FULL" and not set(bench_offload.SPARSE_OPTIONS) & set(full)
+
+
+def test_bench_selection_host_runs_the_policys_scoring_on_cpu(capsys):
+    """``benchmarks/bench_selection_host.py --score``: the policy built from the benchmark's options
+    (every option ``from_config`` reads) times a step with and without the reuse cache."""
+    import json
+
+    from benchmarks.bench_selection_host import main
+
+    main(["--device", "cpu", "--score", "--layers", "2", "--blocks", "4", "--block-size", "256", "--budget", "256",
+          "--steps", "1", "--warmup", "0", "--rounds", "1", "--radius-weight", "0.25"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["radius_weight"] == 0.25 and report["score"]
+    assert report["no_reuse"]["reuse_rows"] == 0 and report["reuse"]["reuse_rows"] > 0
