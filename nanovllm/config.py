@@ -131,8 +131,8 @@ class Config:
         async_scheduling: overlap the host's scheduling and input preparation of a step (decode,
             or a prefill chunk) with the device's previous step (vLLM's name; ``nanovllm.engine.step_loop`` says
             when it overlaps). None (default): on where it can be, i.e. on CUDA with
-            ``tensor_parallel_size`` 1 and a sparse policy that does not choose decode blocks
-            (QUEST does), with or without the host tier, else off; the resolved bool is stored here. True forces it (ValueError where
+            ``tensor_parallel_size`` 1, whatever the sparse policy, with or without the host tier,
+            else off; the resolved bool is stored here. True forces it (ValueError where
             unsupported; on CPU nothing overlaps, but the same code path runs, which is what its
             CPU tests use); False is the synchronous loop, for debugging. Outputs are identical
             either way (``tests/gpu/test_async_scheduling_gpu.py``); its gain on ``bench.py``:
@@ -391,10 +391,9 @@ _FIELD_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not
 
 def async_scheduling_blockers(config: Config) -> list[str]:
     """The settings of ``config`` that async scheduling cannot run with (empty: it can), named
-    as in the ValueError: tensor parallelism, a policy that chooses decode blocks (its decode steps
-    run eagerly and each step's start records the previous step's picks on the host, which the
-    one-step-ahead loop was not built around). The host KV tier runs with it (its moves between the
-    tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``)."""
+    as in the ValueError: tensor parallelism. The host KV tier runs with it (its moves between the
+    tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``), and so does a policy
+    that chooses decode pages: its picks, page tables and reuse cache stay on the device, and the
+    step's selection is built on the host from the block tables the scheduler fixed ahead."""
     return [name for name, on in (
-        (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),
-        (f"sparse_policy={config.sparse_policy!r}", policy_class(config.sparse_policy).chooses_decode_pages)) if on]
+        (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),) if on]

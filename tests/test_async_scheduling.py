@@ -93,7 +93,7 @@ def test_default_is_on_where_supported_and_true_is_checked(qwen3_dir):
     llm.shutdown()
     for kwargs, blockers in (({}, []), ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
                              ({"enable_cpu_offload": True}, []),
-                             ({"sparse_policy": "QUEST"}, ["sparse_policy='QUEST'"])):
+                             ({"sparse_policy": "QUEST"}, []), ({"sparse_policy": "STREAMING"}, [])):
         assert async_scheduling_blockers(Config(qwen3_dir, device="cpu", **kwargs)) == blockers
     llm = build_llm(qwen3_dir, async_scheduling=True)
     llm.generate([random_prompt(20, seed=1)], SamplingParams(max_tokens=3), use_tqdm=False)
@@ -353,6 +353,41 @@ def test_host_tier_moves_are_scheduled_ahead(qwen3_dir):
                 assert llm.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks + bm.host.num_blocks
         assert stats[1]["spilled_blocks"] > 0 and stats[1]["evicted_blocks"] > 0 and stats[1]["loaded_blocks"] > 0
         assert stats[1]["prefix_cache_hit_tokens"] > 0
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+@pytest.mark.parametrize("policy, host", [("QUEST", False), ("QUEST", True), ("STREAMING", True)])
+def test_choosing_policies_schedule_decode_ahead(qwen3_dir, policy, host):
+    """A policy that chooses decode pages per KV head runs the async loop: its selection is built on
+    the host from the block tables of the step scheduled ahead, its picks, page tables and reuse cache
+    stay on the device. Decode selects (density < 1) and, with the host tier (a GPU tier of 6 blocks),
+    gathers host pages and spills while steps run ahead; outputs, block counts and the sparse
+    statistics are the synchronous loop's."""
+    kwargs = dict(ENGINE, max_model_len=2048, kvcache_block_size=256, sparse_policy=policy, sparse_recent_tokens=64)
+    if policy == "QUEST":
+        kwargs["sparse_token_budget"] = 64
+    if host:
+        kwargs.update(enable_cpu_offload=True, num_kvcache_blocks=6, num_cpu_kvcache_blocks=32)
+    on, off = (build_llm(qwen3_dir, async_scheduling=flag, **kwargs) for flag in (True, False))
+    counter = AheadCounter(on)
+    try:
+        prompts = [random_prompt(n, seed=770 + n) for n in (300, 520, 900)]
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        ref = off.generate(prompts, params, use_tqdm=False)
+        out = on.generate(prompts, params, use_tqdm=False)
+        assert comparable(out) == comparable(ref)
+        assert counter.ahead > 0, "no decode step was scheduled ahead"
+        sparse = [llm.get_sparse_stats()["decode"] for llm in (on, off)]
+        assert sparse[0] == sparse[1] and sparse[1]["density"] < 1
+        stats = [{k: v for k, v in llm.get_kv_cache_stats().items() if k != "host_bytes_pinned"} for llm in (on, off)]
+        assert stats[0] == stats[1]
+        if host:
+            assert stats[1]["spilled_blocks"] > 0
+        for llm in (on, off):
+            bm = llm.scheduler.block_manager
+            assert llm.is_finished() and bm.num_free_blocks == bm.gpu.num_blocks + (bm.host.num_blocks if host else 0)
     finally:
         on.shutdown()
         off.shutdown()

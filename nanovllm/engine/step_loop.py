@@ -7,7 +7,7 @@ logprobs and block bookkeeping. Until then each sequence holds a placeholder tok
 (``sequence.PLACEHOLDER_TOKEN``), so lengths, positions and slots of step N+1 are right.
 
 When it overlaps: ``Config.async_scheduling`` is on (the CUDA default where supported: tensor
-parallelism 1 and a sparse policy that does not choose decode blocks; see ``Config``); every step
+parallelism 1; see ``Config``); every step
 is then launched without waiting for it, and the next step is launched before reading it when the
 scheduler can schedule it without the step's tokens:
 

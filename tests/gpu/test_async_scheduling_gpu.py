@@ -51,9 +51,9 @@ def _workload(num: int, seed: int) -> tuple[list[list[int]], list[SamplingParams
     return prompts, [kinds[i % len(kinds)](rng.randint(20, 200)) for i in range(num)]
 
 
-def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
-    with LLM(model_dir, dtype=dtype, device="cuda", max_model_len=2048, max_num_seqs=64,
-             gpu_memory_utilization=0.5, async_scheduling=async_scheduling) as llm:
+def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool, **engine):
+    with LLM(model_dir, **{**dict(dtype=dtype, device="cuda", max_model_len=2048, max_num_seqs=64,
+                                  gpu_memory_utilization=0.5, async_scheduling=async_scheduling), **engine}) as llm:
         assert llm.config.async_scheduling is async_scheduling and llm.model_runner.graphs is not None
         ahead, run = [0], llm.model_runner.run
 
@@ -69,12 +69,14 @@ def _run(model_dir, prompts, params, dtype: str, async_scheduling: bool):
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         stats = llm.get_kv_cache_stats()
+        stats.pop("host_bytes_pinned", None)  # pinned ahead of need: timing, not traffic
+        stats["sparse_decode"] = llm.get_sparse_stats()["decode"]
         # the tiers' sizes come from the free memory at start-up, which the previous engine's
         # leftovers change (17,631 vs 17,521 blocks on the H200): compare the traffic only
         for capacity in ("gpu_blocks", "host_blocks", "gpu_tokens", "host_tokens"):
             stats.pop(capacity, None)
         bm = llm.scheduler.block_manager
-        assert bm.num_free_blocks == bm.gpu.num_blocks
+        assert bm.num_free_blocks == bm.gpu.num_blocks + (bm.host.num_blocks if llm.config.enable_cpu_offload else 0)
     gc.collect()
     torch.cuda.empty_cache()
     return [{k: v for k, v in dataclasses.asdict(o).items() if k not in ("request_id", "metrics")}
@@ -131,6 +133,33 @@ def test_token_stops_match(model_dir):
     assert on_stats == off_stats
 
 
+@pytest.mark.parametrize("host", [False, True])
+def test_quest_steps_ahead_are_bit_identical(model_dir, host):
+    """QUEST choosing pages per KV head (a 128-token budget: decode reads a fraction of each
+    context), GPU-only and over the host tier (a GPU tier of 16 blocks for 48 sequences: spills and
+    page gathers through the reuse cache while steps run ahead): the async loop's outputs and KV and
+    sparse statistics equal the synchronous loop's, to the bit (bf16, every request ends on its
+    length)."""
+    prompts, params = _workload(48, seed=2)
+    params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 64)) for sp in params]
+    engine = dict(sparse_policy="QUEST", sparse_token_budget=128, sparse_recent_tokens=64, kvcache_block_size=256)
+    if host:
+        engine.update(enable_cpu_offload=True, num_kvcache_blocks=16, num_cpu_kvcache_blocks=512)
+    on, on_stats, ahead, on_s = _run(model_dir, prompts, params, "bfloat16", True, **engine)
+    off, off_stats, none_ahead, off_s = _run(model_dir, prompts, params, "bfloat16", False, **engine)
+    _report(f"quest{'_host' if host else ''}", seconds_async=round(on_s, 3), seconds_sync=round(off_s, 3),
+            steps_ahead=ahead, decode_density=off_stats["sparse_decode"]["density"])
+    assert ahead > 0 and none_ahead == 0
+    assert off_stats["sparse_decode"]["density"] < 1
+    if host:
+        assert off_stats["spilled_blocks"] > 0
+    assert on == off
+    assert on_stats == off_stats
+
+
 def test_default_is_on_for_cuda(model_dir):
     with LLM(model_dir, device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3) as llm:
+        assert llm.config.async_scheduling is True
+    with LLM(model_dir, device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3,
+             sparse_policy="QUEST") as llm:
         assert llm.config.async_scheduling is True
