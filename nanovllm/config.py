@@ -395,5 +395,4 @@ def async_scheduling_blockers(config: Config) -> list[str]:
     tiers are decided ahead and copied in order: ``nanovllm.engine.step_loop``), and so does a policy
     that chooses decode pages: its picks, page tables and reuse cache stay on the device, and the
     step's selection is built on the host from the block tables the scheduler fixed ahead."""
-    return [name for name, on in (
-        (f"tensor_parallel_size={config.tensor_parallel_size}", config.tensor_parallel_size > 1),) if on]
+    return [f"tensor_parallel_size={config.tensor_parallel_size}"] if config.tensor_parallel_size > 1 else []

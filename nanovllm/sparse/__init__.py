@@ -11,6 +11,7 @@ from nanovllm.sparse.xattn import XAttentionBSAPolicy
 from nanovllm.sparse.moments import MomentsPolicy
 from nanovllm.sparse.oracle import OraclePolicy  # registered last: a measurement, not a default
 
-__all__ = ["DEFAULT_GROUP_SCORE", "DEFAULT_RADIUS_WEIGHT", "DEFAULT_TOKEN_BUDGET", "DecodeCandidates", "FullAttentionPolicy", "MomentsPolicy", "OraclePolicy", "QuestPolicy", "SparsePolicy",
-           "SparseStats", "StreamingPolicy", "XAttentionBSAPolicy", "choosing_policy_names", "create_policy", "policy_class",
+__all__ = ["DEFAULT_GROUP_SCORE", "DEFAULT_RADIUS_WEIGHT", "DEFAULT_TOKEN_BUDGET", "DecodeCandidates",
+           "FullAttentionPolicy", "MomentsPolicy", "OraclePolicy", "QuestPolicy", "SparsePolicy", "SparseStats",
+           "StreamingPolicy", "XAttentionBSAPolicy", "choosing_policy_names", "create_policy", "policy_class",
            "policy_names", "register_policy", "registered_policies"]
