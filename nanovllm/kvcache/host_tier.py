@@ -235,7 +235,10 @@ class HostTier:
         skip) into the same head of page ``dst_pages[i]`` of ``k_pages`` / ``v_pages`` (``[pages,
         page_size, Hkv, D]``; an fp8 tier: with its scales, into ``scale_pages`` ``[pages,
         page_size, Hkv]`` each) on the compute stream, the ids never read on the host
-        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes as a device tensor."""
+        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes as a device tensor. Before the
+        first spill no host page exists and no host address is pinned yet: nothing is launched."""
+        if self.memory.pinned_blocks == 0:
+            return
         page = k_pages.shape[1]
         k_host, v_host = (cache[layer].view(-1, page, *cache.shape[3:]) for cache in (self.k_host, self.v_host))
         src_scales = None if scale_pages is None else tuple(

@@ -141,7 +141,8 @@ def test_quest_steps_ahead_are_bit_identical(model_dir, host):
     sparse statistics equal the synchronous loop's, to the bit (bf16, every request ends on its
     length)."""
     prompts, params = _workload(48, seed=2)
-    params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 64)) for sp in params]
+    params = [dataclasses.replace(sp, max_tokens=min(sp.max_tokens, 64), min_tokens=min(sp.min_tokens, 64))
+              for sp in params]
     engine = dict(sparse_policy="QUEST", sparse_token_budget=128, sparse_recent_tokens=64, kvcache_block_size=256)
     if host:
         engine.update(enable_cpu_offload=True, num_kvcache_blocks=16, num_cpu_kvcache_blocks=512)
