@@ -144,8 +144,9 @@ class Config:
             GPU, float32 on CPU).
         kv_cache_dtype: what the KV cache stores (vLLM's names): "auto" (the model's ``dtype``),
             "fp8" (= "fp8_e4m3", torch.float8_e4m3fn) or "fp8_e5m2" (torch.float8_e5m2), with
-            float32 scales per (token, KV head) for keys and values (``docs/kvcache.md``, "FP8
-            KV"); ``kv_storage_dtype`` is the resolved torch dtype. On CUDA, "fp8" / "fp8_e4m3"
+            float32 scales per (token, KV head) for keys and values, keys stored minus a
+            calibrated offset that attention does not see (``docs/kvcache.md``, "FP8 KV");
+            ``kv_storage_dtype`` is the resolved torch dtype. On CUDA, "fp8" / "fp8_e4m3"
             needs compute capability >= 8.9 on every device the engine uses (ValueError
             otherwise: ``nanovllm.utils.dtypes.check_kv_cache_device``).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".

@@ -24,6 +24,7 @@ from nanovllm.parallel.process_group import destroy_process_group, init_process_
 from nanovllm.parallel.ranks import join
 from nanovllm.kvcache.cache import KVCache
 from nanovllm.kvcache.eviction import BlockMove
+from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
@@ -84,11 +85,14 @@ class ModelRunner:
         return model.eval()
 
     def setup(self):
-        """Warm up (CUDA: measures the peak memory), size and allocate the KV cache's tiers,
-        capture the decode CUDA graphs, then start pinning host memory (all ranks)."""
+        """Calibrate an fp8 cache's key offsets, warm up (CUDA: measures the peak memory), size
+        and allocate the KV cache's tiers, capture the decode CUDA graphs, then start pinning host
+        memory (all ranks). The sparse statistics start at zero after the first two."""
+        if self.cache.storage.scaled:
+            self._calibrate_key_offsets()
         if self.device.type == "cuda":
             self._warmup()
-            self.cache.stats.reset()
+        self.cache.stats.reset()
         self.tier_sizes = self._tier_sizes()
         self.cache.allocate(self.tier_sizes)
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -111,6 +115,22 @@ class ModelRunner:
         finally:
             reset_context()
         torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def _calibrate_key_offsets(self):
+        """An fp8 cache stores keys minus their mean over one prefill of seeded random tokens,
+        per (layer, KV head, channel), after RoPE (``nanovllm.kvcache.key_offset``); every rank
+        runs it (tensor parallelism: each for its own heads)."""
+        cfg, g = self.config, self.cache.geometry
+        n = min(CALIBRATION_TOKENS, cfg.max_model_len)  # not the chunk size: outputs must not depend on it
+        ids = calibration_token_ids(cfg.hf_config.vocab_size, n).to(self.device)
+        sums = torch.zeros(g.num_layers, g.num_kv_heads, g.head_dim, dtype=torch.float32, device=self.device)
+        set_context(Context(is_prefill=True, seqlens_q=[n], seqlens_k=[n], key_sums=sums))
+        try:
+            self.model(ids, torch.arange(n, device=self.device))
+        finally:
+            reset_context()
+        self.cache.set_key_offsets(sums / n)
 
     def _tier_sizes(self) -> sizing.TierSizes:
         cfg, cache, geometry = self.config, self.cache, self.cache.geometry

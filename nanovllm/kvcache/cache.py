@@ -1,6 +1,7 @@
 """The KV cache of one rank: the one place that knows the tiers exist.
 
     cache = KVCache(config, attention_layers, device)   binds itself to every attention layer
+    cache.set_key_offsets(offsets)                      an fp8 cache's key offsets (key_offset.py), before allocate
     cache.host_blocks(ranks_on_host)                    host-tier size (0 without the host tier)
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
     cache.start_pinning()                               host memory pinned in the background from now on
@@ -87,6 +88,29 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
         return self.attention.forward(layer, q, k, v, rotate)
+
+    def set_key_offsets(self, offsets: torch.Tensor):
+        """An fp8 cache's key offsets (``key_offset.py``): float32 ``[L, Hkv, D]``, kept in the
+        model's dtype (any constant is exact: its rounding does not matter) and subtracted from
+        every key stored; set once, before :meth:`allocate` (no key is stored yet, no CUDA graph
+        captured).
+
+        Raises:
+            ValueError: a cache that is not fp8, or offsets of another shape or dtype.
+            RuntimeError: the cache is allocated already.
+        """
+        g = self.geometry
+        shape = (g.num_layers, g.num_kv_heads, g.head_dim)
+        if not self.storage.scaled:
+            raise ValueError(f"key offsets belong to an fp8 cache; this one stores {self.storage.cache_dtype}")
+        if tuple(offsets.shape) != shape or offsets.dtype != torch.float32:
+            raise ValueError(f"key offsets must be float32 {shape}; got {offsets.dtype} {tuple(offsets.shape)}")
+        if self.kv is not None:
+            raise RuntimeError("key offsets are set before the cache is allocated (keys stored already would keep "
+                               "the old ones)")
+        self.attention.set_key_offsets(offsets.to(self.device, self.storage.dtype))
+        logger.info("fp8 KV: keys stored minus their calibrated mean per (layer, KV head, channel); the largest "
+                    "offset %.3g", offsets.abs().max().item())
 
     # ---- memory ------------------------------------------------------------------------
     def metadata_bytes_per_block(self) -> int:

@@ -75,6 +75,9 @@ class Context:
             (``nanovllm.kvcache.selection.DecodeSelection``).
         windows: decode, the reads of the layers with each sliding window (by window); the fields
             above serve the layers without one (None when every layer has a window).
+        key_sums: a calibration prefill (``slot_mapping`` None), float32 ``[L, Hkv, D]``: each
+            layer adds its keys after RoPE, summed over the step's tokens
+            (``nanovllm.kvcache.key_offset``); None in every other step.
     """
 
     is_prefill: bool = False
@@ -87,6 +90,7 @@ class Context:
     host_loads: list[tuple[int, int]] = field(default_factory=list)
     selection: "DecodeSelection | None" = None
     windows: dict[int, WindowReads] = field(default_factory=dict)
+    key_sums: torch.Tensor | None = None
 
     @property
     def paged_only(self) -> bool:

@@ -28,7 +28,8 @@
   rows (``ctx.windows``: tables from the window's first block, the tokens before the window masked
   by ``context_starts``, the ring loading only host blocks in the window and folding the first from
   its window start); a choosing policy reads the whole window. Layers without a window read as above.
-- **FP8 KV** (a spec's ``scale_layout`` "token_head"): the store quantizes each new token once, its
+- **FP8 KV** (a spec's ``scale_layout`` "token_head"): keys lose their calibrated offset
+  (``key_offset.py``: attention does not see it), then the store quantizes each new token once, its
   scales written beside it (``nanovllm.ops.kv_quant``); every read above passes the scales of the
   rows it reads (GPU tier, ring slots, gathered prefixes and pages) and dequantizes in the kernel,
   and a prefill chunk attends to its own tokens as stored (quantized and dequantized again), so
@@ -63,6 +64,7 @@ class TieredAttention:
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = None
         self.k_scales = self.v_scales = self.k_scale_rows = self.v_scale_rows = None
         self.saturated: torch.Tensor | None = None
+        self.key_offsets: torch.Tensor | None = None  # an fp8 cache's [L, Hkv, D] (key_offset.py)
         self.host: HostTier | None = None
         self.ring: RingReader | None = None
         self.reuse: ReuseCache | None = None
@@ -79,6 +81,11 @@ class TieredAttention:
             self.k_scale_rows, self.v_scale_rows = scale_rows[0], scale_rows[1]
             self.k_scales, self.v_scales = layout.per_layer(scale_rows)
             self.saturated = torch.zeros(1, dtype=torch.int64, device=rows.device)
+
+    def set_key_offsets(self, offsets: torch.Tensor):
+        """An fp8 cache's key offsets ``[L, Hkv, D]`` in the model's dtype, subtracted from every
+        key before the store (``key_offset.py``)."""
+        self.key_offsets = offsets
 
     def release(self):
         self.k_cache = self.v_cache = self.k_rows = self.v_rows = self.host = self.ring = self.reuse = None
@@ -138,9 +145,11 @@ class TieredAttention:
         (:data:`nanovllm.layers.attention.Rotate`): q and k still need RoPE, and it stores k and
         v in the same launch."""
         ctx = get_context()
-        if ctx.slot_mapping is None:  # the cache is not touched: warm-up, scoring
+        if ctx.slot_mapping is None:  # the cache is not touched: warm-up, scoring, calibration
             if rotate is not None:
                 q, k = rotate(q, k)
+            if ctx.key_sums is not None:
+                ctx.key_sums[layer] += k.sum(0, dtype=torch.float32)
             return self._prefill(layer, q, k, v, ctx, None, None)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         store_scales = self._store_scales(layer)
@@ -149,6 +158,8 @@ class TieredAttention:
         else:
             if rotate is not None:
                 q, k = rotate(q, k)
+            if self.key_offsets is not None:  # attention is invariant to the shift (key_offset.py)
+                k = k - self.key_offsets[layer]
             # an fp8 prefill chunk attends to its own tokens as stored (quantized once, by the
             # store), as every later read sees them: the output does not depend on how a prompt is
             # chunked or what the prefix cache holds (a recomputed cached token, slot -1, included)
