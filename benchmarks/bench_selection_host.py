@@ -29,7 +29,6 @@ the times include the ops' work.
     python -m benchmarks.bench_selection_host --device cpu --layers 4 --blocks 8 --steps 5
 """
 import argparse
-import dataclasses
 import json
 import time
 import warnings
@@ -37,7 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import FIELD_DEFAULTS
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache, reuse_cache_rows
 from nanovllm.kvcache.selection import DecodeSelection
@@ -48,8 +47,7 @@ from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_
 def _config(args, reuse_rows: int) -> SimpleNamespace:
     """The engine options that size the reuse cache and the staging rows: ``Config``'s defaults
     (so that every option a policy reads is there) with this benchmark's values."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
-    return SimpleNamespace(**{**defaults, **dict(
+    return SimpleNamespace(**{**FIELD_DEFAULTS, **dict(
         sparse_policy=args.policy, sparse_page_size=args.page_size, sparse_token_budget=args.budget,
         sparse_sink_tokens=args.sink_tokens, sparse_recent_tokens=args.recent_tokens,
         sparse_dense_layers=args.dense_layers, sparse_group_score=args.group_score,

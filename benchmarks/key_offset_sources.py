@@ -20,6 +20,7 @@ Every case applies one quantization to every key and value the queries see (a de
 each prompt token's own key included).
 """
 import argparse
+import functools
 import glob
 import importlib
 import json
@@ -46,14 +47,20 @@ def fake_fp8(t: torch.Tensor) -> torch.Tensor:
     return dequantize(stored, scale, t.dtype).transpose(0, 1)[None]
 
 
+@functools.cache
+def _hf_model(model: str):
+    """The model in HF transformers, float32, SDPA attention (loaded once per process)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
 def hf_logits(model: str, ids: list[int], attention=None) -> torch.Tensor:
     """HF transformers' float32 logits ``[len(ids), vocab]`` of one sequence; ``attention``
     ``(layer, query, key, value, sdpa, *args, **kwargs) -> (out, weights)`` replaces SDPA."""
-    from transformers import AutoModelForCausalLM
-
     module = modeling_module(model)
     sdpa = module.ALL_ATTENTION_FUNCTIONS["sdpa"]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    hf = _hf_model(model)
     if attention is not None:
         hf.config._attn_implementation = "key_offset_bench"
         module.ALL_ATTENTION_FUNCTIONS["key_offset_bench"] = lambda *a, **k: attention(*a[:4], sdpa, *a[4:], **k)
@@ -61,6 +68,7 @@ def hf_logits(model: str, ids: list[int], attention=None) -> torch.Tensor:
         with torch.no_grad():
             return hf(torch.tensor([ids])).logits[0].float()
     finally:
+        hf.config._attn_implementation = "sdpa"
         module.ALL_ATTENTION_FUNCTIONS.pop("key_offset_bench", None)
 
 

@@ -261,7 +261,7 @@ class Config:
             raise ValueError(f"model directory {self.model!r} does not exist")
         for name in _NONE_IS_DEFAULT:
             if getattr(self, name) is None:
-                setattr(self, name, _FIELD_DEFAULTS[name])
+                setattr(self, name, FIELD_DEFAULTS[name])
         for name in ("trust_remote_code", "enable_prefix_caching", "enforce_eager", "enable_cpu_offload"):
             check_bool(name, getattr(self, name))
         if not self.enable_prefix_caching:
@@ -361,7 +361,7 @@ class Config:
             for option in policy.options:
                 readers.setdefault(option, []).append(policy.name)
         for option, names in readers.items():
-            value, default = getattr(self, option), _FIELD_DEFAULTS[option]
+            value, default = getattr(self, option), FIELD_DEFAULTS[option]
             if option not in chosen.options and value != default:
                 users = " or ".join(repr(n) for n in names)
                 raise ValueError(f"{option}={value!r} is read by sparse_policy={users} only, but "
@@ -387,7 +387,8 @@ class Config:
                                  f"{name}={value}")
 
 
-_FIELD_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+FIELD_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+"""Each ``Config`` option's default (options without one left out)."""
 
 
 def async_scheduling_blockers(config: Config) -> list[str]:

@@ -473,21 +473,21 @@ def test_an_fp8_cache_stores_keys_minus_their_mean_over_the_calibration_prefill(
     (layer, KV head, channel), the same in every build; a cache that is not fp8 has none and
     refuses them; offsets of another shape, or offsets once the cache is allocated, are refused;
     the calibration leaves nothing in the sparse statistics."""
-    from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
+    from nanovllm.kvcache.key_offset import calibration_token_ids
 
     builds = []
     for _ in range(2):
         with build_llm(qwen3_dir, dtype="float32", kv_cache_dtype="fp8") as llm:
             cache = llm.model_runner.cache
             builds.append(cache.attention.key_offsets.clone())
-            n = min(CALIBRATION_TOKENS, llm.model_runner.config.max_model_len)
-            vocab = llm.model_runner.config.hf_config.vocab_size
+            config = llm.model_runner.config
             with pytest.raises(ValueError, match=r"float32 \(\d+, \d+, \d+\)"):
                 cache.set_key_offsets(builds[-1][:, :1])
             with pytest.raises(RuntimeError, match="before the cache is allocated"):
                 cache.set_key_offsets(builds[-1].float())
     assert torch.equal(builds[0], builds[1])
-    want = hf_key_means(str(qwen3_dir), calibration_token_ids(vocab, n).tolist())
+    calibration = calibration_token_ids(config.hf_config.vocab_size, config.max_model_len)
+    want = hf_key_means(str(qwen3_dir), calibration.tolist())
     torch.testing.assert_close(builds[0], want, atol=1e-4, rtol=1e-4)
     assert builds[0].abs().max() > 0
     with build_llm(qwen3_dir) as llm:
@@ -574,11 +574,10 @@ def _hf_top1(model: str, ids: list[int], quantize: bool, max_model_len: int) -> 
     values quantized per (token, KV head) by :func:`quantize_ref` and dequantized."""
     from transformers import AutoConfig
 
-    from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
+    from nanovllm.kvcache.key_offset import calibration_token_ids
 
     if quantize:
-        calibration = calibration_token_ids(AutoConfig.from_pretrained(model).vocab_size,
-                                            min(CALIBRATION_TOKENS, max_model_len))
+        calibration = calibration_token_ids(AutoConfig.from_pretrained(model).vocab_size, max_model_len)
         logits = quantized_logits(model, ids, hf_key_means(model, calibration.tolist()))
     else:
         logits = hf_logits(model, ids)

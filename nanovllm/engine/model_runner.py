@@ -24,7 +24,7 @@ from nanovllm.parallel.process_group import destroy_process_group, init_process_
 from nanovllm.parallel.ranks import join
 from nanovllm.kvcache.cache import KVCache
 from nanovllm.kvcache.eviction import BlockMove
-from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
+from nanovllm.kvcache.key_offset import calibration_token_ids
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
@@ -107,14 +107,24 @@ class ModelRunner:
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
         seq_len = min(num_tokens, cfg.max_model_len)
         num_seqs = max(1, num_tokens // seq_len)
-        set_context(Context(is_prefill=True, seqlens_q=[seq_len] * num_seqs, seqlens_k=[seq_len] * num_seqs))
-        try:  # every rank warms up itself: nothing goes to the channel
-            hidden = self.model(torch.zeros(seq_len * num_seqs, dtype=torch.int64, device=self.device),
-                                torch.arange(seq_len, device=self.device).repeat(num_seqs))
-            self.model.compute_logits(hidden[seq_len - 1::seq_len])
+        # every rank warms up itself: nothing goes to the channel
+        hidden = self._uncached_prefill(torch.zeros(seq_len * num_seqs, dtype=torch.int64, device=self.device),
+                                        seq_len)
+        self.model.compute_logits(hidden[seq_len - 1::seq_len])
+        torch.cuda.empty_cache()
+
+    def _uncached_prefill(self, input_ids: torch.Tensor, seq_len: int,
+                          key_sums: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over ``input_ids`` (int64 ``[num_seqs * seq_len]`` on the device) as sequences
+        of ``seq_len`` tokens from position 0, the KV cache untouched (warm-up, calibration; with
+        ``key_sums``: ``Context.key_sums``): the hidden states."""
+        num_seqs = input_ids.numel() // seq_len
+        set_context(Context(is_prefill=True, seqlens_q=[seq_len] * num_seqs, seqlens_k=[seq_len] * num_seqs,
+                            key_sums=key_sums))
+        try:
+            return self.model(input_ids, torch.arange(seq_len, device=self.device).repeat(num_seqs))
         finally:
             reset_context()
-        torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def _calibrate_key_offsets(self):
@@ -122,15 +132,10 @@ class ModelRunner:
         per (layer, KV head, channel), after RoPE (``nanovllm.kvcache.key_offset``); every rank
         runs it (tensor parallelism: each for its own heads)."""
         cfg, g = self.config, self.cache.geometry
-        n = min(CALIBRATION_TOKENS, cfg.max_model_len)  # not the chunk size: outputs must not depend on it
-        ids = calibration_token_ids(cfg.hf_config.vocab_size, n).to(self.device)
+        ids = calibration_token_ids(cfg.hf_config.vocab_size, cfg.max_model_len).to(self.device)
         sums = torch.zeros(g.num_layers, g.num_kv_heads, g.head_dim, dtype=torch.float32, device=self.device)
-        set_context(Context(is_prefill=True, seqlens_q=[n], seqlens_k=[n], key_sums=sums))
-        try:
-            self.model(ids, torch.arange(n, device=self.device))
-        finally:
-            reset_context()
-        self.cache.set_key_offsets(sums / n)
+        self._uncached_prefill(ids, ids.numel(), sums)
+        self.cache.set_key_offsets(sums / ids.numel())
 
     def _tier_sizes(self) -> sizing.TierSizes:
         cfg, cache, geometry = self.config, self.cache, self.cache.geometry

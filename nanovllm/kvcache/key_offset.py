@@ -31,8 +31,9 @@ CALIBRATION_SEED = 0
 """Seed of the calibration token ids."""
 
 
-def calibration_token_ids(vocab_size: int, num_tokens: int) -> torch.Tensor:
-    """The calibration prefill's token ids: int64 ``[num_tokens]`` on the CPU, uniform over
-    ``[0, vocab_size)`` from :data:`CALIBRATION_SEED` (the same on every rank and run)."""
+def calibration_token_ids(vocab_size: int, max_model_len: int) -> torch.Tensor:
+    """The calibration prefill's token ids for an engine of ``max_model_len``: int64 ``[n]`` on the
+    CPU, ``n = min(CALIBRATION_TOKENS, max_model_len)``, uniform over ``[0, vocab_size)`` from
+    :data:`CALIBRATION_SEED` (the same on every rank and run)."""
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
-    return torch.randint(0, vocab_size, (num_tokens,), generator=generator)
+    return torch.randint(0, vocab_size, (min(CALIBRATION_TOKENS, max_model_len),), generator=generator)
