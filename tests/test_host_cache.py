@@ -196,6 +196,58 @@ def test_chunk_ranges_tile_the_mapping_and_each_holds_whole_blocks(block_shape):
     assert memory.bytes_pinned == 0
 
 
+def test_a_waiting_step_ends_the_pinning_threads_pause(monkeypatch):
+    """After each registration the thread pauses (PIN_DUTY) so that a step's launches rarely queue
+    behind the driver; a step waiting in ensure() ends the pause and the thread pins on without one
+    (the step gains nothing from it); release() ends it too. Here a pause would last ~10^4 s."""
+    import threading
+    import time
+
+    import torch
+
+    monkeypatch.setattr(host_memory, "PIN_DUTY", 1e-6)
+    memory = host_memory.HostMemory(2, 12, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
+    registered = []
+
+    def register(address, size):
+        time.sleep(0.01)
+        registered.append(address)
+
+    monkeypatch.setattr(memory, "_register", register)
+    assert memory.num_chunks >= 2
+    memory.start()  # chunk 0, one chunk ahead: chunk 1
+    deadline = time.monotonic() + 30
+    while not registered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(registered) == 1, "nobody waits: the thread pauses after its first registration"
+    waiter = threading.Thread(target=memory.ensure, args=(memory.num_blocks,))
+    waiter.start()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "a waiting step ended the pause"
+    assert memory.pinned_blocks == memory.num_blocks and memory.num_waits == 1
+    assert len(registered) == 2 * 2 * memory.num_chunks, "keys and values of each layer, every chunk"
+    memory.ensure(memory.num_blocks)  # all pinned: no wait
+    assert memory.num_waits == 1
+    memory.release()
+
+
+def test_release_ends_the_pinning_threads_pause(monkeypatch):
+    import time
+
+    import torch
+
+    monkeypatch.setattr(host_memory, "PIN_DUTY", 1e-6)
+    memory = host_memory.HostMemory(2, 12, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
+    monkeypatch.setattr(memory, "_register", lambda address, size: time.sleep(0.01))
+    memory.start()
+    time.sleep(0.1)  # the first registration, then the pause
+    t = time.perf_counter()
+    memory.release()
+    assert time.perf_counter() - t < 30, "release() waited out a pause"
+    assert memory.bytes_pinned == 0
+
+
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
 def test_pinned_and_capacity_bytes_count_an_fp8_tiers_scales(kv):
     """An fp8 tier's scales (float32 per (token, KV head), keys and values, every layer and host

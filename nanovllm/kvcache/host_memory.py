@@ -21,7 +21,9 @@ on a page and its ranges tile the mapping without overlap; chunks are pinned in 
 ``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A range's pages are faulted in first
 (zeroed by the kernel: CPU work that holds no driver lock), then registered, with a pause after
 each call (:data:`PIN_DUTY`): a ``cudaHostRegister`` call holds the driver, so a step's CUDA calls
-on another thread wait for it; the pause keeps that rare.
+on another thread wait for it; the pause keeps that rare. A step that waits for pinned blocks
+(:meth:`HostMemory.ensure`) ends the pause and the thread pins without one while it waits: that
+step gains nothing from a pause.
 
 **One registration per copy.** A ``cudaMemcpy2DAsync`` (or ``cudaMemcpyAsync``) whose host region
 spans two registrations crashes the process (SIGSEGV inside the driver; one region inside one
@@ -66,7 +68,8 @@ PIN_CHUNK_BYTES = 1 << 30
 """Bytes per chunk (keys and values of every layer), rounded to whole blocks, at least one."""
 PIN_DUTY = 0.25
 """Share of the time the pinning thread spends registering: after a call of ``t`` seconds it
-sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it."""
+sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it (no pause while a step
+waits for pinned blocks)."""
 _REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute (2 is the memory type)
 
@@ -154,6 +157,7 @@ class HostMemory:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._waiting = 0  # steps inside ensure() waiting for the thread
         self.wait_s, self.num_waits = 0.0, 0
         if on_demand is None:
             on_demand = not self.cuda or registered_pointers_agree()
@@ -222,15 +226,23 @@ class HostMemory:
         return ranges
 
     def _pin(self, address: int, size: int):
-        """Fault the range's pages in (CPU work, no driver call), then register it in one call
-        (a copy must not span two registrations, module doc) and pause (:data:`PIN_DUTY`)."""
+        """Fault the range's pages in (CPU work, no driver call), register it in one call (a copy
+        must not span two registrations, module doc), then pause (:data:`PIN_DUTY`) unless a step
+        is waiting for pinned blocks (:meth:`ensure`), which ends a pause too."""
         if self.cuda:
             offset = address - self.base
             torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=offset).fill_(0)
-            t = time.perf_counter()
-            _cudart_call("cudaHostRegister", address, size, _REGISTER_FLAGS)
-            time.sleep((time.perf_counter() - t) * (1 / PIN_DUTY - 1))
+        t = time.perf_counter()
+        self._register(address, size)
+        pause = (time.perf_counter() - t) * (1 / PIN_DUTY - 1)
         self._ranges.append((address, size))
+        with self._lock:
+            self._lock.wait_for(lambda: self._waiting or self._stop, timeout=pause)
+
+    def _register(self, address: int, size: int):
+        """Page-lock ``size`` bytes at ``address`` (CUDA: ``cudaHostRegister``; CPU: nothing)."""
+        if self.cuda:
+            _cudart_call("cudaHostRegister", address, size, _REGISTER_FLAGS)
 
     # ---- growth ------------------------------------------------------------------------
     def start(self):
@@ -264,8 +276,13 @@ class HostMemory:
             return
         t = time.perf_counter()
         with self._lock:
-            while self.pinned_blocks < num_blocks and self._error is None and not self._stop:
-                self._lock.wait()
+            self._waiting += 1
+            self._lock.notify_all()  # ends the thread's pause
+            try:
+                while self.pinned_blocks < num_blocks and self._error is None and not self._stop:
+                    self._lock.wait()
+            finally:
+                self._waiting -= 1
         if self._error is not None:
             raise RuntimeError(f"cannot pin host memory for the host tier ({self.bytes_pinned / 2**30:.2f} of "
                                f"{self.capacity_bytes / 2**30:.2f} GiB pinned): {self._error}; lower "
