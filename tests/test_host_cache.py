@@ -232,6 +232,31 @@ def test_a_waiting_step_ends_the_pinning_threads_pause(monkeypatch):
     memory.release()
 
 
+def test_a_wait_doubles_how_far_ahead_the_thread_pins(monkeypatch):
+    """The thread pins one chunk beyond the blocks written; a step that had to wait doubles that
+    (use outran the thread), so the thread goes on to pin further ahead, and no further."""
+    import time
+
+    import torch
+
+    memory = host_memory.HostMemory(2, 40, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
+    monkeypatch.setattr(memory, "_register", lambda address, size: time.sleep(0.01))
+    chunk = memory.chunk_blocks
+    assert memory.num_chunks >= 6 and memory.ahead_blocks == chunk
+    memory.start()  # asks for the chunk through block `chunk`
+    memory.ensure(2 * chunk + 1)  # beyond what was asked for: waits
+    assert memory.num_waits == 1 and memory.ahead_blocks == 2 * chunk
+    want = -(-(2 * chunk + 1 + 2 * chunk) // chunk) * chunk
+    deadline = time.monotonic() + 30
+    while memory.pinned_blocks < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert memory.pinned_blocks == want, (memory.pinned_blocks, want)
+    memory.ensure(want)  # pinned already: no wait, no doubling
+    assert memory.num_waits == 1 and memory.ahead_blocks == 2 * chunk
+    memory.release()
+
+
 def test_release_ends_the_pinning_threads_pause(monkeypatch):
     import time
 

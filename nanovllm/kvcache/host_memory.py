@@ -32,10 +32,13 @@ registration, but one block's layers lie in as many, so on-demand memory is copi
 time: :attr:`HostMemory.one_allocation` tells the copies whether one may span layers.
 
 **When.** Pinning starts with :meth:`HostMemory.start` (the engine calls it once the CUDA graphs
-are captured: registering memory during a capture would break it) and stays one chunk ahead of
-use: :meth:`HostMemory.reserve` (blocks below ``n`` are written now) asks the thread for every
-chunk up to block ``n + chunk_blocks``; :meth:`HostMemory.ensure` also waits until blocks below
-``n`` are pinned (a step that must wait is logged and counted in :attr:`HostMemory.wait_s`).
+are captured: registering memory during a capture would break it) and stays ahead of use:
+:meth:`HostMemory.reserve` (blocks below ``n`` are written now) asks the thread for every chunk up
+to block ``n + ahead_blocks``; :meth:`HostMemory.ensure` also waits until blocks below ``n`` are
+pinned (a step that must wait is logged and counted in :attr:`HostMemory.wait_s`). ``ahead_blocks``
+starts at one chunk and doubles after each wait (up to the capacity): use that outruns the thread
+(a burst of spills or prefix write-backs) makes it pin further ahead, so that its pauses overlap
+the steps instead of delaying them.
 :meth:`HostMemory.release` stops the thread and unregisters everything.
 
 **Scales.** An fp8 tier's float32 scales (``scale_shape`` per block and layer, keys and values:
@@ -158,6 +161,8 @@ class HostMemory:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._waiting = 0  # steps inside ensure() waiting for the thread
+        self.ahead_blocks = self.chunk_blocks
+        """Blocks :meth:`reserve` asks to have pinned beyond those written; doubled after each wait."""
         self.wait_s, self.num_waits = 0.0, 0
         if on_demand is None:
             on_demand = not self.cuda or registered_pointers_agree()
@@ -255,8 +260,8 @@ class HostMemory:
 
     def reserve(self, num_blocks: int):
         """Blocks below ``num_blocks`` are about to be written: ask for every chunk through block
-        ``num_blocks + chunk_blocks`` (one chunk ahead), without waiting."""
-        want = min(self.num_chunks, -(-(num_blocks + self.chunk_blocks) // self.chunk_blocks))
+        ``num_blocks + ahead_blocks``, without waiting."""
+        want = min(self.num_chunks, -(-(num_blocks + self.ahead_blocks) // self.chunk_blocks))
         with self._lock:
             if want > self._target:
                 self._target = want
@@ -290,8 +295,11 @@ class HostMemory:
         waited = time.perf_counter() - t
         self.wait_s += waited
         self.num_waits += 1
-        logger.warning("a step waited %.3f s for host memory to be pinned (blocks below %d of %d); %.2f GiB pinned",
-                       waited, num_blocks, self.num_blocks, self.bytes_pinned / 2**30)
+        self.ahead_blocks = min(self.num_blocks, 2 * self.ahead_blocks)
+        self.reserve(num_blocks)
+        logger.warning("a step waited %.3f s for host memory to be pinned (blocks below %d of %d); %.2f GiB pinned; "
+                       "pinning %d blocks ahead from now", waited, num_blocks, self.num_blocks,
+                       self.bytes_pinned / 2**30, self.ahead_blocks)
 
     def _run(self):
         try:

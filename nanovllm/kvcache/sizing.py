@@ -10,12 +10,15 @@
   the configuration can use capped at ``cpu_memory_utilization`` of the available host memory.
   Ranks on one host split its memory evenly.
 """
+import logging
 import os
 from typing import NamedTuple
 
 import torch
 
 from nanovllm.config import Config
+
+logger = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.25
 """CPU device: largest share of the available memory the (device) KV cache may take."""
@@ -74,8 +77,13 @@ def gpu_budget(device: torch.device, utilization: float) -> int:
     """Bytes for KV: this process's share of the GPU minus its own peak use, never more than
     what is free now (less a headroom)."""
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * utilization) - torch.cuda.max_memory_reserved(device)
-    return max(0, min(budget, free - GPU_HEADROOM))
+    peak = torch.cuda.max_memory_reserved(device)
+    budget = max(0, min(int(total * utilization) - peak, free - GPU_HEADROOM))
+    logger.info("GPU budget for the KV cache: %.2f GiB = min(%.2f GiB (gpu_memory_utilization=%g of %.2f GiB) - "
+                "%.2f GiB (this process's peak reserved in the warm-up), %.2f GiB free - %.2f GiB headroom)",
+                budget / 2**30, total * utilization / 2**30, utilization, total / 2**30, peak / 2**30,
+                free / 2**30, GPU_HEADROOM / 2**30)
+    return budget
 
 
 def wanted_blocks(config: Config) -> int:
