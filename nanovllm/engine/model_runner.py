@@ -9,6 +9,7 @@ A step: ``cache.begin_step(moves)`` -> ``cache.prepare`` -> model -> ``cache.fin
 sample (rank 0). A step returns its results on the device (:class:`SampledStep`); the engine
 reads them at once or, with async scheduling, one step later (``step_loop``).
 """
+import gc
 import logging
 
 import torch
@@ -102,6 +103,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self):
         cfg = self.config
+        gc.collect()  # an earlier engine's unreachable cycles still hold device memory until collected
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
