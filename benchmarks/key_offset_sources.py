@@ -1,6 +1,6 @@
 """Where fp8 KV's error comes from, and which key offsets remove it, in HF transformers. Prints JSON.
 
-    python -m benchmarks.key_offset_sources --model DIR [--tokens 2048]
+    python -m benchmarks.key_offset_sources --model DIR [--tokens 2048] [--cases none,random,...]
 
 HF transformers runs the model in float32 over ``--tokens`` tokens of text (docs/*.md by
 default), its keys (after RoPE) and values fake-quantized per (token, KV head) to fp8 e4m3 as the
@@ -15,6 +15,11 @@ of the next-token distributions, one JSON line per case:
     random            the engine's offsets: the mean key over its seeded random calibration tokens
     code              the mean key over --calibration-text (the engine's Python sources by default)
     own_mean          the mean key over the evaluated text itself (a per-sequence offset)
+    query_e4m3        the engine's offsets (``random``), and the query quantized too, per (token, head):
+                      what an fp8 tensor-core product of q and the keys would add
+    probs_e4m3        the engine's offsets, and the softmax's unnormalised probabilities
+                      ``exp(s - max s)`` quantized to e4m3 at scale 1/448 (FlashAttention-3's fp8 P . V)
+    query_probs_e4m3  both
 
 Every case applies one quantization to every key and value the queries see (a decode's view,
 each prompt token's own key included).
@@ -28,6 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
 from nanovllm.ops.kv_quant import dequantize, quantize_ref
@@ -86,13 +93,26 @@ def hf_key_means(model: str, ids: list[int]) -> torch.Tensor:
 
 
 def quantized_logits(model: str, ids: list[int], offsets: torch.Tensor | None, keys: bool = True,
-                     values: bool = True) -> torch.Tensor:
-    """HF logits with the keys (minus ``offsets`` ``[L, Hkv, D]`` when given) and values fake-quantized."""
-    def attention(layer, query, key, value, sdpa, *args, **kwargs):
+                     values: bool = True, query: bool = False, probs: bool = False) -> torch.Tensor:
+    """HF logits with the keys (minus ``offsets`` ``[L, Hkv, D]`` when given) and values
+    fake-quantized; ``query``: the query too; ``probs``: causal attention computed here, its
+    unnormalised probabilities ``exp(s - max s)`` fake-quantized at scale 1/448 before the product
+    with the values (their sum, the normaliser, unquantized)."""
+    def attention(layer, q, key, value, sdpa, *args, **kwargs):
         if offsets is not None:
             key = key - offsets[layer.layer_idx][None, :, None]
-        return sdpa(layer, query, fake_fp8(key) if keys else key, fake_fp8(value) if values else value,
-                    *args, **kwargs)
+        key, value = fake_fp8(key) if keys else key, fake_fp8(value) if values else value
+        if query:
+            q = fake_fp8(q)
+        if not probs:
+            return sdpa(layer, q, key, value, *args, **kwargs)
+        group = q.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        s = (q @ key.transpose(-1, -2)) * layer.scaling
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        quantized = (p * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() / FP8_E4M3_MAX
+        return ((quantized @ value) / p.sum(-1, keepdim=True)).transpose(1, 2).contiguous(), None
 
     return hf_logits(model, ids, attention)
 
@@ -104,6 +124,7 @@ def main():
     parser.add_argument("--calibration-text", nargs="+", default=sorted(glob.glob("nanovllm/engine/*.py")),
                         help="text files for the 'code' offsets")
     parser.add_argument("--tokens", type=int, default=2048, help="positions of text (default 2048)")
+    parser.add_argument("--cases", default=None, help="comma-separated cases to run (default: all)")
     args = parser.parse_args()
     from transformers import AutoConfig, AutoTokenizer
 
@@ -111,17 +132,25 @@ def main():
     ids = tokenizer("".join(Path(p).read_text() for p in args.text))["input_ids"][:args.tokens]
     code = tokenizer("".join(Path(p).read_text() for p in args.calibration_text))["input_ids"][:CALIBRATION_TOKENS]
     random_ids = calibration_token_ids(AutoConfig.from_pretrained(args.model).vocab_size, CALIBRATION_TOKENS)
+    random_means = functools.cache(lambda: hf_key_means(args.model, random_ids.tolist()))
     reference = hf_logits(args.model, ids)
     top1, log_p = reference.argmax(-1), F.log_softmax(reference, -1)
     cases = {
         "none": lambda: quantized_logits(args.model, ids, None),
         "keys_only": lambda: quantized_logits(args.model, ids, None, values=False),
         "values_only": lambda: quantized_logits(args.model, ids, None, keys=False),
-        "random": lambda: quantized_logits(args.model, ids, hf_key_means(args.model, random_ids.tolist())),
+        "random": lambda: quantized_logits(args.model, ids, random_means()),
         "code": lambda: quantized_logits(args.model, ids, hf_key_means(args.model, code)),
         "own_mean": lambda: quantized_logits(args.model, ids, hf_key_means(args.model, ids)),
+        "query_e4m3": lambda: quantized_logits(args.model, ids, random_means(), query=True),
+        "probs_e4m3": lambda: quantized_logits(args.model, ids, random_means(), probs=True),
+        "query_probs_e4m3": lambda: quantized_logits(args.model, ids, random_means(), query=True, probs=True),
     }
-    for name, run in cases.items():
+    wanted = list(cases) if args.cases is None else args.cases.split(",")
+    if unknown := sorted(set(wanted) - set(cases)):
+        parser.error(f"unknown --cases {unknown}; known: {list(cases)}")
+    for name in wanted:
+        run = cases[name]
         logits = run()
         log_q = F.log_softmax(logits, -1)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)

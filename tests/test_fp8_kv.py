@@ -468,6 +468,19 @@ def test_a_constant_key_shift_leaves_attention_unchanged_and_cuts_the_fp8_error(
     assert errors[1] < errors[0] / 4, errors
 
 
+def test_the_benchmarks_own_attention_with_quantized_probabilities_follows_hfs(qwen3_dir):
+    """key_offset_sources' ``probs`` case computes causal GQA attention itself (the probabilities
+    quantized to e4m3): its logits move, but stay those of HF's attention up to that rounding."""
+    import torch.nn.functional as F
+
+    ids = list(range(4, 100))
+    exact = hf_logits(str(qwen3_dir), ids)
+    ours = quantized_logits(str(qwen3_dir), ids, None, keys=False, values=False, probs=True)
+    assert not torch.equal(ours, exact), "the probabilities were quantized"
+    kl = (F.softmax(exact, -1) * (F.log_softmax(exact, -1) - F.log_softmax(ours, -1))).sum(-1)
+    assert kl.max() < 1e-3, kl.max()
+
+
 def test_an_fp8_cache_stores_keys_minus_their_mean_over_the_calibration_prefill(qwen3_dir):
     """The offsets are HF transformers' mean key after RoPE over the calibration tokens, per
     (layer, KV head, channel), the same in every build; a cache that is not fp8 has none and
