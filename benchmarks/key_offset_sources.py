@@ -133,8 +133,6 @@ def main():
     code = tokenizer("".join(Path(p).read_text() for p in args.calibration_text))["input_ids"][:CALIBRATION_TOKENS]
     random_ids = calibration_token_ids(AutoConfig.from_pretrained(args.model).vocab_size, CALIBRATION_TOKENS)
     random_means = functools.cache(lambda: hf_key_means(args.model, random_ids.tolist()))
-    reference = hf_logits(args.model, ids)
-    top1, log_p = reference.argmax(-1), F.log_softmax(reference, -1)
     cases = {
         "none": lambda: quantized_logits(args.model, ids, None),
         "keys_only": lambda: quantized_logits(args.model, ids, None, values=False),
@@ -149,9 +147,10 @@ def main():
     wanted = list(cases) if args.cases is None else args.cases.split(",")
     if unknown := sorted(set(wanted) - set(cases)):
         parser.error(f"unknown --cases {unknown}; known: {list(cases)}")
+    reference = hf_logits(args.model, ids)
+    top1, log_p = reference.argmax(-1), F.log_softmax(reference, -1)
     for name in wanted:
-        run = cases[name]
-        logits = run()
+        logits = cases[name]()
         log_q = F.log_softmax(logits, -1)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)
         print(json.dumps({"case": name, "positions": len(ids),

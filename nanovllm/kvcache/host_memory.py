@@ -269,7 +269,7 @@ class HostMemory:
 
     def ensure(self, num_blocks: int):
         """Blocks below ``num_blocks`` are pinned when this returns (waiting for the thread if it
-        is behind, which is logged); also :meth:`reserve`.
+        is behind, which is logged and doubles :attr:`ahead_blocks`); also :meth:`reserve`.
 
         Raises:
             RuntimeError: pinning failed (CUDA's error, the bytes pinned and the capacity).
