@@ -8,6 +8,11 @@
 //
 // Python binding (nanovllm/kvcache/memcpy2d.py wraps it; use that):
 //   memcpy_2d_async(dst, src, dpitch, spitch, width, height, kind, stream)
+//   memcpy_2d_moves_async(device, host, device_offsets, host_offsets, to_host, device_pitch,
+//                         host_pitch, width, height, stream)
+//     one such copy per i between byte device_offsets[i] / host_offsets[i] after the tensors'
+//     data_ptr() (int64 CPU tensors), to the host where to_host[i]: a step's block moves in one
+//     call, in order
 //     dst, src  tensors whose data_ptr() is the first byte of the 2D region
 //     dpitch, spitch, width  bytes; height  rows
 //     kind      "h2d" | "d2h" | "d2d" | "h2h" | "default" (cudaMemcpyDefault, inferred by UVA)
@@ -76,12 +81,16 @@ bool host_ptr_is_pinned(const void* ptr) {
   return attr.type == cudaMemoryTypeHost;
 }
 
-void check_pinned(const torch::Tensor& t, const char* name, const std::string& kind) {
-  if (!host_ptr_is_pinned(t.data_ptr())) {
+void check_pinned_ptr(const void* ptr, const char* name, const std::string& kind) {
+  if (!host_ptr_is_pinned(ptr)) {
     throw std::invalid_argument(cat("sgdma: ", name, " is a host tensor of a '", kind,
                                     "' copy but is not in pinned (page-locked) memory; allocate "
                                     "it with pin_memory=True"));
   }
+}
+
+void check_pinned(const torch::Tensor& t, const char* name, const std::string& kind) {
+  check_pinned_ptr(t.data_ptr(), name, kind);
 }
 
 void check_device(const torch::Tensor& t, const char* name, bool want_cuda,
@@ -113,71 +122,67 @@ int64_t max_pitch_cached(int device) {
   return static_cast<int64_t>(value);
 }
 
-void memcpy_2d_async(torch::Tensor dst, torch::Tensor src, int64_t dpitch, int64_t spitch,
-                     int64_t width, int64_t height, const std::string& kind, int64_t stream) {
+void check_shape(int64_t dpitch, int64_t spitch, int64_t width, int64_t height) {
   if (width <= 0) throw std::invalid_argument(cat("sgdma: width must be > 0 bytes, got ", width));
   if (height <= 0) throw std::invalid_argument(cat("sgdma: height must be > 0 rows, got ", height));
   if (dpitch < width)
     throw std::invalid_argument(cat("sgdma: width ", width, " bytes exceeds dpitch ", dpitch, " bytes"));
   if (spitch < width)
     throw std::invalid_argument(cat("sgdma: width ", width, " bytes exceeds spitch ", spitch, " bytes"));
+}
 
-  check_region(dst, "dst", dpitch, width, height);
-  check_region(src, "src", spitch, width, height);
-
-  cudaMemcpyKind ckind;
+// The cudaMemcpyKind of `kind` after checking the tensors' devices; `pinned` says whether the
+// host tensor of a host<->device copy must be pinned at its data_ptr() (the moves check each
+// region's first byte instead).
+cudaMemcpyKind resolve_kind(const torch::Tensor& dst, const torch::Tensor& src, const std::string& kind,
+                            bool pinned) {
   if (kind == "h2d") {
-    ckind = cudaMemcpyHostToDevice;
     check_device(dst, "dst", true, kind);
     check_device(src, "src", false, kind);
-    check_pinned(src, "src", kind);
-  } else if (kind == "d2h") {
-    ckind = cudaMemcpyDeviceToHost;
+    if (pinned) check_pinned(src, "src", kind);
+    return cudaMemcpyHostToDevice;
+  }
+  if (kind == "d2h") {
     check_device(dst, "dst", false, kind);
     check_device(src, "src", true, kind);
-    check_pinned(dst, "dst", kind);
-  } else if (kind == "d2d") {
-    ckind = cudaMemcpyDeviceToDevice;
+    if (pinned) check_pinned(dst, "dst", kind);
+    return cudaMemcpyDeviceToHost;
+  }
+  if (kind == "d2d") {
     check_device(dst, "dst", true, kind);
     check_device(src, "src", true, kind);
-  } else if (kind == "h2h") {
-    ckind = cudaMemcpyHostToHost;
+    return cudaMemcpyDeviceToDevice;
+  }
+  if (kind == "h2h") {
     check_device(dst, "dst", false, kind);
     check_device(src, "src", false, kind);
-  } else if (kind == "default") {
-    ckind = cudaMemcpyDefault;
+    return cudaMemcpyHostToHost;
+  }
+  if (kind == "default") {
     for (const auto* t : {&dst, &src}) {
       if (!t->is_cuda() && !t->is_cpu())
         throw std::invalid_argument(cat("sgdma: tensors must be on the CPU or a CUDA device, got ",
                                         t->device().str()));
     }
-    if (dst.is_cuda() != src.is_cuda()) {
+    if (pinned && dst.is_cuda() != src.is_cuda()) {
       const torch::Tensor& host = dst.is_cuda() ? src : dst;
       check_pinned(host, dst.is_cuda() ? "src" : "dst", kind);
     }
-  } else {
-    throw std::invalid_argument(cat("sgdma: kind must be one of 'h2d', 'd2h', 'd2d', 'h2h', "
-                                    "'default', got '", kind, "'"));
+    return cudaMemcpyDefault;
   }
+  throw std::invalid_argument(cat("sgdma: kind must be one of 'h2d', 'd2h', 'd2d', 'h2h', "
+                                  "'default', got '", kind, "'"));
+}
 
-  // Run on the CUDA tensor's device (dst first); a host-to-host copy uses the current device.
-  const torch::Tensor* dev_tensor = dst.is_cuda() ? &dst : (src.is_cuda() ? &src : nullptr);
-  c10::cuda::OptionalCUDAGuard guard;
-  if (dev_tensor != nullptr) guard.set_device(dev_tensor->device());
+// The stream to copy on: `stream`, or for 0 the current torch stream of the CUDA tensor's device.
+cudaStream_t resolve_stream(const torch::Tensor* dev_tensor, int64_t stream) {
+  if (stream != 0) return reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream));
+  return dev_tensor != nullptr ? c10::cuda::getCurrentCUDAStream(dev_tensor->device().index()).stream()
+                               : c10::cuda::getCurrentCUDAStream().stream();
+}
 
-  cudaStream_t s;
-  if (stream == 0) {
-    s = dev_tensor != nullptr
-            ? c10::cuda::getCurrentCUDAStream(dev_tensor->device().index()).stream()
-            : c10::cuda::getCurrentCUDAStream().stream();
-  } else {
-    s = reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream));
-  }
-
-  char* dp = static_cast<char*>(dst.data_ptr());
-  const char* sp = static_cast<const char*>(src.data_ptr());
-  const int device = dev_tensor != nullptr ? dev_tensor->device().index() : current_device();
-  const int64_t limit = max_pitch_cached(device);
+void issue(char* dp, const char* sp, int64_t dpitch, int64_t spitch, int64_t width, int64_t height,
+           cudaMemcpyKind ckind, cudaStream_t s, int64_t limit) {
   if (height == 1) dpitch = spitch = width;  // one row: the pitches are irrelevant
   if (dpitch <= limit && spitch <= limit) {
     check_cuda(cudaMemcpy2DAsync(dp, static_cast<size_t>(dpitch), sp, static_cast<size_t>(spitch),
@@ -191,6 +196,61 @@ void memcpy_2d_async(torch::Tensor dst, torch::Tensor src, int64_t dpitch, int64
       check_cuda(cudaMemcpyAsync(dp + r * dpitch, sp + r * spitch, static_cast<size_t>(width), ckind, s),
                  "cudaMemcpyAsync (row of a 2D copy whose pitch exceeds cudaDevAttrMaxPitch)");
     }
+  }
+}
+
+void memcpy_2d_async(torch::Tensor dst, torch::Tensor src, int64_t dpitch, int64_t spitch,
+                     int64_t width, int64_t height, const std::string& kind, int64_t stream) {
+  check_shape(dpitch, spitch, width, height);
+  check_region(dst, "dst", dpitch, width, height);
+  check_region(src, "src", spitch, width, height);
+  const cudaMemcpyKind ckind = resolve_kind(dst, src, kind, true);
+
+  // Run on the CUDA tensor's device (dst first); a host-to-host copy uses the current device.
+  const torch::Tensor* dev_tensor = dst.is_cuda() ? &dst : (src.is_cuda() ? &src : nullptr);
+  c10::cuda::OptionalCUDAGuard guard;
+  if (dev_tensor != nullptr) guard.set_device(dev_tensor->device());
+  const cudaStream_t s = resolve_stream(dev_tensor, stream);
+  const int device = dev_tensor != nullptr ? dev_tensor->device().index() : current_device();
+  issue(static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()), dpitch, spitch, width,
+        height, ckind, s, max_pitch_cached(device));
+}
+
+// Block moves between a CUDA tensor and a pinned host tensor, in order on one stream: copy i moves
+// `height` rows of `width` bytes between byte device_offsets[i] after device.data_ptr() (rows
+// device_pitch apart) and byte host_offsets[i] after host.data_ptr() (rows host_pitch apart), to
+// the host when to_host[i], else to the device. The caller checks that every region lies inside its
+// tensor's storage (memcpy2d.py); here each host region's first byte must be pinned.
+void memcpy_2d_moves_async(torch::Tensor device, torch::Tensor host, torch::Tensor device_offsets,
+                           torch::Tensor host_offsets, torch::Tensor to_host, int64_t device_pitch,
+                           int64_t host_pitch, int64_t width, int64_t height, int64_t stream) {
+  check_shape(device_pitch, host_pitch, width, height);
+  if (!device.is_cuda()) throw std::invalid_argument(cat("sgdma: device must be a CUDA tensor, got ", device.device().str()));
+  if (!host.is_cpu()) throw std::invalid_argument(cat("sgdma: host must be a CPU tensor, got ", host.device().str()));
+  for (const auto* t : {&device_offsets, &host_offsets}) {
+    if (!t->is_cpu() || t->scalar_type() != torch::kInt64 || t->dim() != 1 || !t->is_contiguous())
+      throw std::invalid_argument("sgdma: device_offsets and host_offsets must be contiguous 1-D int64 CPU tensors");
+  }
+  if (!to_host.is_cpu() || to_host.scalar_type() != torch::kBool || to_host.dim() != 1 || !to_host.is_contiguous())
+    throw std::invalid_argument("sgdma: to_host must be a contiguous 1-D bool CPU tensor");
+  const int64_t n = device_offsets.numel();
+  if (host_offsets.numel() != n || to_host.numel() != n)
+    throw std::invalid_argument(cat("sgdma: ", n, " device_offsets, ", host_offsets.numel(), " host_offsets and ",
+                                    to_host.numel(), " to_host flags"));
+  const int64_t* doff = device_offsets.data_ptr<int64_t>();
+  const int64_t* hoff = host_offsets.data_ptr<int64_t>();
+  const bool* up = to_host.data_ptr<bool>();
+  char* dbase = static_cast<char*>(device.data_ptr());
+  char* hbase = static_cast<char*>(host.data_ptr());
+  for (int64_t i = 0; i < n; ++i) check_pinned_ptr(hbase + hoff[i], "host", up[i] ? "d2h" : "h2d");
+  c10::cuda::CUDAGuard guard(device.device());
+  const cudaStream_t s = resolve_stream(&device, stream);
+  const int64_t limit = max_pitch_cached(device.device().index());
+  for (int64_t i = 0; i < n; ++i) {
+    if (up[i])
+      issue(hbase + hoff[i], dbase + doff[i], host_pitch, device_pitch, width, height, cudaMemcpyDeviceToHost, s, limit);
+    else
+      issue(dbase + doff[i], hbase + hoff[i], device_pitch, host_pitch, width, height, cudaMemcpyHostToDevice, s, limit);
   }
 }
 
@@ -208,6 +268,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "cudaMemcpy2DAsync(dst.data_ptr(), dpitch, src.data_ptr(), spitch, width, height, kind, "
         "stream): pitches and width in bytes, height in rows; stream is a raw cudaStream_t "
         "(0 = current stream). Raises ValueError on bad arguments, RuntimeError on CUDA errors.");
+  m.def("memcpy_2d_moves_async", &memcpy_2d_moves_async, py::arg("device"), py::arg("host"),
+        py::arg("device_offsets"), py::arg("host_offsets"), py::arg("to_host"), py::arg("device_pitch"),
+        py::arg("host_pitch"), py::arg("width"), py::arg("height"), py::arg("stream") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "2D copies between device.data_ptr() + device_offsets[i] and host.data_ptr() + host_offsets[i] "
+        "(int64 CPU tensors of byte offsets), to the host where to_host[i] (bool CPU tensor), in order "
+        "on one stream.");
   m.def("max_pitch", &max_pitch, py::arg("device") = 0,
         "cudaDevAttrMaxPitch of the device: the largest dpitch/spitch cudaMemcpy2DAsync accepts.");
 }

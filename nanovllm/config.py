@@ -158,7 +158,7 @@ class Config:
             (``docs/kvcache.md``).
         num_ring_slots: ring-buffer slots of the host tier (one layer of one block each, read in
             two halves: ``nanovllm.kvcache.ring``), >= 2; None: as many as
-            ``sizing.RING_BYTES`` (32 MiB) hold, at least 4 (``num_gpu_blocks`` is its deprecated
+            ``sizing.RING_BYTES`` (128 MiB) hold, at least 4 (``num_gpu_blocks`` is its deprecated
             name).
         num_cpu_kvcache_blocks: host-tier blocks; -1 sizes them from ``cpu_memory_utilization`` of
             the available host memory (at most what ``max_num_seqs`` sequences of

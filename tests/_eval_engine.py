@@ -183,7 +183,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--enable-offload", action="store_true",
                    help="the host tier of the KV cache (enable_cpu_offload=True)")
     p.add_argument("--num-ring-slots", type=int, default=None,
-                   help="host tier: ring-buffer slots (default: the engine's, sized to 32 MiB)")
+                   help="host tier: ring-buffer slots (default: the engine's, sized to 128 MiB)")
     p.add_argument("--num-gpu-kv-blocks", type=int, default=None,
                    help="host tier: GPU-tier blocks (default: 2 per sequence, so the host tier holds the rest)")
     p.add_argument("--block-size", type=int, default=1024,

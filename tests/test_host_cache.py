@@ -197,9 +197,10 @@ def test_chunk_ranges_tile_the_mapping_and_each_holds_whole_blocks(block_shape):
 
 
 def test_a_waiting_step_ends_the_pinning_threads_pause(monkeypatch):
-    """After each registration the thread pauses (PIN_DUTY) so that a step's launches rarely queue
-    behind the driver; a step waiting in ensure() ends the pause and the thread pins on without one
-    (the step gains nothing from it); release() ends it too. Here a pause would last ~10^4 s."""
+    """After each registration beyond a chunk ahead of use the thread pauses (PIN_DUTY) so that a
+    step's launches rarely queue behind the driver; a step waiting in ensure() moves the blocks in
+    use past the pinned ones, which ends the pause, and the thread pins on without one. Here a
+    pause would last ~10^4 s."""
     import threading
     import time
 
@@ -214,13 +215,15 @@ def test_a_waiting_step_ends_the_pinning_threads_pause(monkeypatch):
         registered.append(address)
 
     monkeypatch.setattr(memory, "_register", register)
-    assert memory.num_chunks >= 2
-    memory.start()  # chunk 0, one chunk ahead: chunk 1
+    assert memory.num_chunks >= 3
+    memory.ahead_blocks = 3 * memory.chunk_blocks
+    memory.start()  # nothing in use, chunks 0-2 asked for
     deadline = time.monotonic() + 30
-    while not registered and time.monotonic() < deadline:
+    while len(registered) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.3)
-    assert len(registered) == 1, "nobody waits: the thread pauses after its first registration"
+    assert len(registered) == 2 * 2 + 1, ("chunk 0 (keys and values of 2 layers) without a pause (less than a "
+                                          "chunk beyond use), then a pause after chunk 1's first registration")
     waiter = threading.Thread(target=memory.ensure, args=(memory.num_blocks,))
     waiter.start()
     waiter.join(timeout=60)
@@ -257,6 +260,29 @@ def test_a_wait_doubles_how_far_ahead_the_thread_pins(monkeypatch):
     memory.release()
 
 
+def test_the_thread_does_not_pause_while_less_than_a_chunk_ahead_of_use(monkeypatch):
+    """Blocks reserved (about to be written) near the end of the tier: the thread pins every chunk
+    up to a chunk beyond them without pausing, although no step waits (a pause: ~10^4 s)."""
+    import time
+
+    import torch
+
+    monkeypatch.setattr(host_memory, "PIN_DUTY", 1e-6)
+    memory = host_memory.HostMemory(2, 40, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
+    monkeypatch.setattr(memory, "_register", lambda address, size: time.sleep(0.001))
+    chunk = memory.chunk_blocks
+    assert memory.num_chunks >= 6
+    memory.start()
+    memory.reserve(4 * chunk)
+    deadline = time.monotonic() + 30
+    while memory.pinned_blocks < 5 * chunk and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memory.pinned_blocks >= 5 * chunk and memory.num_waits == 0
+    time.sleep(0.2)
+    assert memory.pinned_blocks == 5 * chunk, "a chunk ahead of use: the thread pauses again"
+    memory.release()
+
+
 def test_release_ends_the_pinning_threads_pause(monkeypatch):
     import time
 
@@ -265,8 +291,12 @@ def test_release_ends_the_pinning_threads_pause(monkeypatch):
     monkeypatch.setattr(host_memory, "PIN_DUTY", 1e-6)
     memory = host_memory.HostMemory(2, 12, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
     monkeypatch.setattr(memory, "_register", lambda address, size: time.sleep(0.01))
+    memory.ahead_blocks = 3 * memory.chunk_blocks
     memory.start()
-    time.sleep(0.1)  # the first registration, then the pause
+    deadline = time.monotonic() + 30
+    while memory.pinned_blocks < memory.chunk_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # chunk 0, then chunk 1's first registration and the pause
     t = time.perf_counter()
     memory.release()
     assert time.perf_counter() - t < 30, "release() waited out a pause"

@@ -3,6 +3,7 @@ ring half, and each group folded into the running attention state by one paged r
 import pytest
 import torch
 
+from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_tier import HostTier, copy_runs
 from nanovllm.kvcache.ring import RingReader, cut_groups, group_tables
 from nanovllm.kvcache.sizing import MIN_RING_SLOTS, RING_BYTES, KVGeometry, ring_slots
@@ -40,10 +41,33 @@ def test_group_tables_count_slots_from_the_half():
 
 def test_default_ring_fills_its_bytes():
     small = KVGeometry(24, 2, 64, 256, torch.bfloat16, 2 * 2 * 64 * 2)  # Qwen2.5-0.5B: 128 KiB a layer-block
-    assert ring_slots(None, small) == RING_BYTES // (256 * 512) == 256
+    assert ring_slots(None, small) == RING_BYTES // (256 * 512) == 1024
     big = KVGeometry(32, 8, 128, 4096, torch.bfloat16, 2 * 8 * 128 * 2)  # Llama-3.1-8B, 4096-token blocks
-    assert ring_slots(None, big) == MIN_RING_SLOTS
+    assert ring_slots(None, big) == RING_BYTES // (16 << 20) == 8
+    huge = KVGeometry(80, 8, 128, 16384, torch.bfloat16, 2 * 8 * 128 * 2)  # 64 MiB a layer-block
+    assert ring_slots(None, huge) == MIN_RING_SLOTS
     assert ring_slots(3, small) == 3
+
+
+def test_moves_copied_in_one_call_equal_moves_copied_one_by_one():
+    """A step's moves in one call (write-backs, then load-backs into blocks one of them read, then
+    a write-back of a block loaded back) give the contents moves one at a time give."""
+    gen = torch.Generator().manual_seed(1)
+    moves = [BlockMove(0, 2, True), BlockMove(1, 3, True), BlockMove(2, 4, True), BlockMove(0, 3, False),
+             BlockMove(1, 4, False), BlockMove(3, 0, True), BlockMove(0, 5, True)]
+    results = []
+    for chunks in (None, [[m] for m in moves]):
+        tier = _tier(4)
+        k_gpu = torch.randn(LAYERS, 4, BLOCK, HEADS_KV, DIM, generator=gen.manual_seed(2))
+        v_gpu = torch.randn(LAYERS, 4, BLOCK, HEADS_KV, DIM, generator=gen.manual_seed(3))
+        for part in ([moves] if chunks is None else chunks):
+            tier.move(part, k_gpu, v_gpu)
+        results.append((k_gpu, v_gpu, tier.k_host.clone(), tier.v_host.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    k_gpu, _, k_host, _ = results[0]
+    assert torch.equal(k_gpu[:, 0], k_host[:, 3]) and torch.equal(k_host[:, 0], k_gpu[:, 3])
+    assert torch.equal(k_host[:, 5], k_host[:, 3]), "the last write-back read what a load-back wrote"
 
 
 def _tier(slots: int, chunk_bytes: int | None = None) -> HostTier:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm.kvcache import memcpy2d as sgdma
-from nanovllm.kvcache.memcpy2d import memcpy_2d_async
+from nanovllm.kvcache.memcpy2d import memcpy_2d_async, memcpy_2d_moves_async
 
 
 def _random_bytes(shape, seed, dtype=torch.uint8):
@@ -173,6 +173,32 @@ def test_non_integer_sizes_raise_type_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only backend choice")
+def test_moves_copy_in_order_between_two_block_caches():
+    """memcpy_2d_moves_async (CPU: one memcpy_2d_async per move, in order): blocks of every layer
+    of a [L, N, ...] cache moved both ways, a later move reading what an earlier one wrote."""
+    L, N, E = 3, 4, 5
+    gpu = torch.arange(L * N * E, dtype=torch.float32).view(L, N, E)
+    host = -torch.arange(L * 6 * E, dtype=torch.float32).view(L, 6, E)
+    gpu0, host0 = gpu.clone(), host.clone()
+    es = 4
+    moves = [(1, 2, True), (2, 2, False), (2, 5, True)]  # (gpu block, host block, to_host)
+    memcpy_2d_moves_async(gpu, host, [g * E * es for g, _, _ in moves], [h * E * es for _, h, _ in moves],
+                          [up for *_, up in moves], N * E * es, 6 * E * es, E * es, L)
+    assert torch.equal(host[:, 2], gpu0[:, 1]) and torch.equal(gpu[:, 2], gpu0[:, 1])
+    assert torch.equal(host[:, 5], gpu0[:, 1]), "the last move read what the second wrote"
+    assert torch.equal(host[:, [0, 1, 3, 4]], host0[:, [0, 1, 3, 4]]) and torch.equal(gpu[:, [0, 1, 3]], gpu0[:, [0, 1, 3]])
+
+
+def test_moves_refuse_lists_of_different_lengths_and_regions_past_the_storage():
+    gpu, host = torch.zeros(2, 2, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="2 device_offsets, 1 host_offsets and 2 to_host"):
+        memcpy_2d_moves_async(gpu, host, [0, 16], [0], [True, False], 32, 48, 16, 2)
+    with pytest.raises(ValueError, match="beyond its storage"):
+        memcpy_2d_moves_async(gpu, host, [16], [48], [True], 32, 48, 16, 2)
+    with pytest.raises(ValueError, match="outside its storage"):
+        memcpy_2d_moves_async(gpu, host, [-4], [0], [False], 32, 48, 16, 2)
+
+
 def test_backend_is_torch_without_cuda():
     assert sgdma.backend() == "torch"
     assert sgdma.is_accelerated() is False

@@ -21,9 +21,10 @@ on a page and its ranges tile the mapping without overlap; chunks are pinned in 
 ``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A range's pages are faulted in first
 (zeroed by the kernel: CPU work that holds no driver lock), then registered, with a pause after
 each call (:data:`PIN_DUTY`): a ``cudaHostRegister`` call holds the driver, so a step's CUDA calls
-on another thread wait for it; the pause keeps that rare. A step that waits for pinned blocks
-(:meth:`HostMemory.ensure`) ends the pause and the thread pins without one while it waits: that
-step gains nothing from a pause.
+on another thread wait for it; the pause keeps that rare. The thread does not pause while what it
+has pinned ends less than a chunk beyond the blocks in use (the largest :meth:`HostMemory.reserve`,
+which ends a pause when it moves that mark): a pause then would soon make a step wait, and a step
+waiting for pinned blocks (:meth:`HostMemory.ensure`) gains nothing from one.
 
 **One registration per copy.** A ``cudaMemcpy2DAsync`` (or ``cudaMemcpyAsync``) whose host region
 spans two registrations crashes the process (SIGSEGV inside the driver; one region inside one
@@ -71,8 +72,8 @@ PIN_CHUNK_BYTES = 1 << 30
 """Bytes per chunk (keys and values of every layer), rounded to whole blocks, at least one."""
 PIN_DUTY = 0.25
 """Share of the time the pinning thread spends registering: after a call of ``t`` seconds it
-sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it (no pause while a step
-waits for pinned blocks)."""
+sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it (no pause while the
+pinned blocks end less than a chunk beyond those in use)."""
 _REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute (2 is the memory type)
 
@@ -160,7 +161,7 @@ class HostMemory:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._waiting = 0  # steps inside ensure() waiting for the thread
+        self._demand = 0  # blocks below this are written or about to be (the largest reserve())
         self.ahead_blocks = self.chunk_blocks
         """Blocks :meth:`reserve` asks to have pinned beyond those written; doubled after each wait."""
         self.wait_s, self.num_waits = 0.0, 0
@@ -232,8 +233,8 @@ class HostMemory:
 
     def _pin(self, address: int, size: int):
         """Fault the range's pages in (CPU work, no driver call), register it in one call (a copy
-        must not span two registrations, module doc), then pause (:data:`PIN_DUTY`) unless a step
-        is waiting for pinned blocks (:meth:`ensure`), which ends a pause too."""
+        must not span two registrations, module doc), then pause (:data:`PIN_DUTY`) unless the
+        pinned blocks end less than a chunk beyond those in use (module doc)."""
         if self.cuda:
             offset = address - self.base
             torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=offset).fill_(0)
@@ -242,7 +243,12 @@ class HostMemory:
         pause = (time.perf_counter() - t) * (1 / PIN_DUTY - 1)
         self._ranges.append((address, size))
         with self._lock:
-            self._lock.wait_for(lambda: self._waiting or self._stop, timeout=pause)
+            self._lock.wait_for(lambda: self._stop or self._close_to_use(), timeout=pause)
+
+    def _close_to_use(self) -> bool:
+        """Whether the pinned blocks end less than a chunk beyond the blocks in use (the thread does
+        not pause then: a pause would soon make a step wait). Called with the lock held."""
+        return self.pinned_blocks < min(self.num_blocks, self._demand + self.chunk_blocks)
 
     def _register(self, address: int, size: int):
         """Page-lock ``size`` bytes at ``address`` (CUDA: ``cudaHostRegister``; CPU: nothing)."""
@@ -263,6 +269,9 @@ class HostMemory:
         ``num_blocks + ahead_blocks``, without waiting."""
         want = min(self.num_chunks, -(-(num_blocks + self.ahead_blocks) // self.chunk_blocks))
         with self._lock:
+            if num_blocks > self._demand:
+                self._demand = num_blocks
+                self._lock.notify_all()  # may end the thread's pause (_close_to_use)
             if want > self._target:
                 self._target = want
                 self._lock.notify_all()
@@ -280,14 +289,9 @@ class HostMemory:
         if self.pinned_blocks >= num_blocks and self._error is None:
             return
         t = time.perf_counter()
-        with self._lock:
-            self._waiting += 1
-            self._lock.notify_all()  # ends the thread's pause
-            try:
-                while self.pinned_blocks < num_blocks and self._error is None and not self._stop:
-                    self._lock.wait()
-            finally:
-                self._waiting -= 1
+        with self._lock:  # reserve() made the blocks in use reach past the pinned ones: no pause now
+            while self.pinned_blocks < num_blocks and self._error is None and not self._stop:
+                self._lock.wait()
         if self._error is not None:
             raise RuntimeError(f"cannot pin host memory for the host tier ({self.bytes_pinned / 2**30:.2f} of "
                                f"{self.capacity_bytes / 2**30:.2f} GiB pinned): {self._error}; lower "

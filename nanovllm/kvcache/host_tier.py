@@ -45,7 +45,7 @@ import torch
 
 from nanovllm.kvcache.eviction import BlockMove
 from nanovllm.kvcache.host_memory import HostMemory
-from nanovllm.kvcache.memcpy2d import memcpy_2d_async
+from nanovllm.kvcache.memcpy2d import memcpy_2d_moves_async
 from nanovllm.ops import gather_host_pages
 from nanovllm.ops.kv_quant import SCALE_DTYPE
 
@@ -160,17 +160,16 @@ class HostTier:
         if gpu_scales is not None:  # the scales are pinned at once
             pairs += [(gpu_scales[0], self.k_host_scale, all_layers), (gpu_scales[1], self.v_host_scale, all_layers)]
         stream = self.spill_stream if self.cuda else None
-        for move in moves:
-            for gpu, host, layer_runs in pairs:
-                gpu_pitch, host_pitch = gpu.stride(0) * gpu.element_size(), host.stride(0) * host.element_size()
-                width = host[0, 0].numel() * host.element_size()
-                for first, count in layer_runs:
-                    if move.to_host:
-                        memcpy_2d_async(host[first, move.host], gpu[first, move.gpu], host_pitch, gpu_pitch, width,
-                                        count, "d2h" if self.cuda else "h2h", stream)
-                    else:
-                        memcpy_2d_async(gpu[first, move.gpu], host[first, move.host], gpu_pitch, host_pitch, width,
-                                        count, "h2d" if self.cuda else "h2h", stream)
+        to_host = [m.to_host for m in moves]
+        for gpu, host, layer_runs in pairs:  # one call per tensor pair: the moves in their order
+            gpu_pitch, gpu_block = (n * gpu.element_size() for n in gpu.stride()[:2])
+            host_pitch, host_block = (n * host.element_size() for n in host.stride()[:2])
+            width = host[0, 0].numel() * host.element_size()
+            height = layer_runs[0][1]  # every run: all layers, or one
+            gpu_offsets = [first * gpu_pitch + m.gpu * gpu_block for m in moves for first, _ in layer_runs]
+            host_offsets = [first * host_pitch + m.host * host_block for m in moves for first, _ in layer_runs]
+            memcpy_2d_moves_async(gpu, host, gpu_offsets, host_offsets, [up for up in to_host for _ in layer_runs],
+                                  gpu_pitch, host_pitch, width, height, stream)
         self.spill_done.record(self.spill_stream)
         self._compute_stream().wait_event(self.spill_done)
         to_host = sum(m.to_host for m in moves)

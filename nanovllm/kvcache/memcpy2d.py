@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["memcpy_2d_async", "backend", "is_accelerated"]
+__all__ = ["memcpy_2d_async", "memcpy_2d_moves_async", "backend", "is_accelerated"]
 
 KINDS = ("h2d", "d2h", "d2d", "h2h", "default")
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "sgdma.cpp"
@@ -239,3 +239,77 @@ def memcpy_2d_async(dst: torch.Tensor, src: torch.Tensor, dpitch: int, spitch: i
             _module.memcpy_2d_async(dst, src, dpitch, spitch, width, height, kind, 0)
     else:
         _module.memcpy_2d_async(dst, src, dpitch, spitch, width, height, kind, stream.cuda_stream)
+
+
+def _bytes_from(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A uint8 view of ``t``'s storage from byte ``offset`` after ``t.data_ptr()`` to its end."""
+    start = t.storage_offset() * t.element_size() + offset
+    nbytes = t.untyped_storage().nbytes()
+    if not 0 <= start <= nbytes:
+        raise ValueError(f"sgdma: byte offset {offset} from a tensor at storage byte {start - offset} is outside its "
+                         f"storage of {nbytes} bytes")
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (nbytes - start,), (1,))
+
+
+def memcpy_2d_moves_async(device: torch.Tensor, host: torch.Tensor, device_offsets: list[int], host_offsets: list[int],
+                          to_host: list[bool], device_pitch: int, host_pitch: int, width: int, height: int,
+                          stream: torch.cuda.Stream | None = None) -> None:
+    """Block moves between ``device`` and ``host``, in order: move ``i`` copies ``height`` rows of
+    ``width`` bytes between byte ``device_offsets[i]`` after ``device.data_ptr()`` (rows
+    ``device_pitch`` bytes apart) and byte ``host_offsets[i]`` after ``host.data_ptr()`` (rows
+    ``host_pitch`` apart), to the host where ``to_host[i]``, else to the device.
+
+    A step's block moves in one call: with a CUDA ``device`` and the extension, one C++ call issues
+    a ``cudaMemcpy2DAsync`` per move (the per-copy checks of :func:`memcpy_2d_async` done there);
+    otherwise (a CPU ``device``, or the torch backend) each move is a :func:`memcpy_2d_async`.
+
+    Args:
+        device: the GPU side (a CPU tensor on CPU-only engines); host: the host side (pinned, at
+            least where the moves touch it, for a CUDA ``device``).
+        device_offsets, host_offsets: byte offsets from the tensors' ``data_ptr()``, one per move.
+        to_host: the direction of each move.
+        device_pitch, host_pitch, width, height: as :func:`memcpy_2d_async`'s, for every move.
+        stream: as :func:`memcpy_2d_async`'s.
+
+    Raises:
+        ValueError: lists of different lengths; a region beyond its tensor's storage; a width,
+            height or pitch :func:`memcpy_2d_async` refuses; a host region not pinned (CUDA).
+        RuntimeError: a CUDA error.
+    """
+    n = len(device_offsets)
+    if len(host_offsets) != n or len(to_host) != n:
+        raise ValueError(f"sgdma: {n} device_offsets, {len(host_offsets)} host_offsets and {len(to_host)} to_host "
+                         "flags: one each per move")
+    if not n:
+        return
+    if device.is_cuda and _resolve() != "torch":
+        device_pitch, host_pitch = _int("device_pitch", device_pitch), _int("host_pitch", host_pitch)
+        width, height = _int("width", width), _int("height", height)
+        if not (0 < width <= min(device_pitch, host_pitch)) or height <= 0:
+            raise ValueError(f"sgdma: width {width} must be in (0, min(device_pitch {device_pitch}, host_pitch "
+                             f"{host_pitch})] bytes and height {height} > 0 rows")
+        offsets = torch.tensor([device_offsets, host_offsets], dtype=torch.int64)
+        for name, t, off, pitch in (("device", device, offsets[0], device_pitch), ("host", host, offsets[1], host_pitch)):
+            start = t.storage_offset() * t.element_size() + off
+            end = start + (height - 1) * pitch + width
+            outside = (start < 0) | (end > t.untyped_storage().nbytes())
+            if outside.any():
+                i = int(outside.nonzero()[0, 0])
+                raise ValueError(f"sgdma: move {i}: the 2D region of {name} (byte offset {int(start[i])} + (height "
+                                 f"{height} - 1) * pitch {pitch} + width {width} = {int(end[i])} bytes) goes beyond its "
+                                 f"storage of {t.untyped_storage().nbytes()} bytes")
+        args = (device, host, offsets[0], offsets[1], torch.tensor(to_host, dtype=torch.bool), device_pitch,
+                host_pitch, width, height)
+        if stream is not None and stream.cuda_stream == 0:
+            with torch.cuda.stream(stream):  # the extension reads handle 0 as the current stream
+                _module.memcpy_2d_moves_async(*args, 0)
+        else:
+            _module.memcpy_2d_moves_async(*args, 0 if stream is None else stream.cuda_stream)
+        return
+    cross = device.is_cuda
+    for d, h, up in zip(device_offsets, host_offsets, to_host):
+        dv, hv = _bytes_from(device, d), _bytes_from(host, h)
+        if up:
+            memcpy_2d_async(hv, dv, host_pitch, device_pitch, width, height, "d2h" if cross else "h2h", stream)
+        else:
+            memcpy_2d_async(dv, hv, device_pitch, host_pitch, width, height, "h2d" if cross else "h2h", stream)

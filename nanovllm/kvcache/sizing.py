@@ -24,9 +24,10 @@ CPU_KV_MEMORY_FRACTION = 0.25
 """CPU device: largest share of the available memory the (device) KV cache may take."""
 GPU_HEADROOM = 256 << 20
 """Bytes left free on the GPU besides the budget (CUDA context growth, allocator slack)."""
-RING_BYTES = 32 << 20
+RING_BYTES = 128 << 20
 """Device bytes of the host tier's ring when ``num_ring_slots`` is None (each half a group of
-loads folded at once: ``ring.py``)."""
+loads folded at once: ``ring.py``): a half of 64 MiB keeps a small model's groups few per layer,
+so a group's launches and the copy engine's per-copy cost are paid per 64 MiB of host blocks."""
 MIN_RING_SLOTS = 4
 
 

@@ -152,3 +152,42 @@ def test_pageable_host_memory_and_device_mismatches_are_rejected():
         memcpy_2d_async(pinned[0, 1], buf, NB * BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES, L, "h2d")
     with pytest.raises(ValueError, match="beyond its storage"):
         memcpy_2d_async(buf, pinned[0, 1], BLOCK_BYTES, NB * BLOCK_BYTES, BLOCK_BYTES, L + 1, "h2d")
+
+
+def test_moves_in_one_call_keep_their_order_and_match_the_fallback():
+    """memcpy_2d_moves_async through the extension: write-backs and load-backs of [L, N] block
+    caches in one call, in order (a load-back reads a block a write-back of the call wrote; a
+    write-back reads a block a load-back wrote), equal to the torch fallback's moves."""
+    moves = [(0, 2, True), (1, 3, True), (3, 2, False), (4, 3, False), (3, 5, True)]  # (gpu, host, to_host)
+    results = []
+    for accelerated in (True, False):
+        host = _host_cache(seed=3)
+        g = torch.Generator(device="cuda").manual_seed(4)
+        gpu = torch.randint(0, 256, (L, 5, BLOCK, H, D * 2), generator=g, dtype=torch.uint8, device="cuda").view(DT)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        args = ([m[0] * BLOCK_BYTES for m in moves], [m[1] * BLOCK_BYTES for m in moves], [m[2] for m in moves],
+                5 * BLOCK_BYTES, NB * BLOCK_BYTES, BLOCK_BYTES, L)
+        if accelerated:
+            sgdma.memcpy_2d_moves_async(gpu, host, *args, stream=stream)
+        else:
+            for d, h, up in zip(*args[:3]):
+                dv, hv = sgdma._bytes_from(gpu, d), sgdma._bytes_from(host, h)
+                src, dst, sp, dp = (dv, hv, args[3], args[4]) if up else (hv, dv, args[4], args[3])
+                _memcpy_2d_torch(dst, src, dp, sp, BLOCK_BYTES, L, stream=stream)
+        stream.synchronize()
+        results.append((_bytes(gpu), _bytes(host)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    gpu, host = results[0]
+    assert torch.equal(host[:, 5], host[:, 2]) and torch.equal(gpu[:, 3], gpu[:, 0])
+
+
+def test_moves_refuse_an_unpinned_host_region_and_a_region_past_the_storage():
+    gpu = torch.zeros(L, 2, BLOCK, H, D, dtype=DT, device="cuda")
+    pageable = torch.zeros(L, NB, BLOCK, H, D, dtype=DT)
+    with pytest.raises(ValueError, match="pinned"):
+        sgdma.memcpy_2d_moves_async(gpu, pageable, [0], [0], [False], 2 * BLOCK_BYTES, NB * BLOCK_BYTES,
+                                    BLOCK_BYTES, L)
+    with pytest.raises(ValueError, match="beyond its storage"):
+        sgdma.memcpy_2d_moves_async(gpu, _host_cache(seed=0), [2 * BLOCK_BYTES], [0], [False], 2 * BLOCK_BYTES,
+                                    NB * BLOCK_BYTES, BLOCK_BYTES, L)
