@@ -242,7 +242,11 @@ void memcpy_2d_moves_async(torch::Tensor device, torch::Tensor host, torch::Tens
   const bool* up = to_host.data_ptr<bool>();
   char* dbase = static_cast<char*>(device.data_ptr());
   char* hbase = static_cast<char*>(host.data_ptr());
-  for (int64_t i = 0; i < n; ++i) check_pinned_ptr(hbase + hoff[i], "host", up[i] ? "d2h" : "h2d");
+  for (int64_t i = 0; i < n; ++i) {
+    if (!host_ptr_is_pinned(hbase + hoff[i]))
+      throw std::invalid_argument(cat("sgdma: copy ", i, ": host byte offset ", hoff[i], " is not in pinned "
+                                      "(registered) memory; register or pin the host tensor before copying"));
+  }
   c10::cuda::CUDAGuard guard(device.device());
   const cudaStream_t s = resolve_stream(&device, stream);
   const int64_t limit = max_pitch_cached(device.device().index());

@@ -261,8 +261,9 @@ def test_a_wait_doubles_how_far_ahead_the_thread_pins(monkeypatch):
 
 
 def test_the_thread_does_not_pause_while_less_than_a_chunk_ahead_of_use(monkeypatch):
-    """Blocks reserved (about to be written) near the end of the tier: the thread pins every chunk
-    up to a chunk beyond them without pausing, although no step waits (a pause: ~10^4 s)."""
+    """Blocks reserved (about to be written): the thread pins every chunk up to a chunk beyond them
+    without pausing, although no step waits, then pauses before pinning further ahead (a pause:
+    ~10^4 s)."""
     import time
 
     import torch
@@ -271,7 +272,8 @@ def test_the_thread_does_not_pause_while_less_than_a_chunk_ahead_of_use(monkeypa
     memory = host_memory.HostMemory(2, 40, (16, 2, 8), torch.float32, torch.device("cpu"), chunk_bytes=1)
     monkeypatch.setattr(memory, "_register", lambda address, size: time.sleep(0.001))
     chunk = memory.chunk_blocks
-    assert memory.num_chunks >= 6
+    assert memory.num_chunks >= 8
+    memory.ahead_blocks = 3 * chunk  # asks for chunks 0-6: those past chunk 4 are paced
     memory.start()
     memory.reserve(4 * chunk)
     deadline = time.monotonic() + 30

@@ -54,6 +54,15 @@ def test_page_scores_combine_each_query_heads_shares_within_its_group(combine):
         page_scores(bounds, 0.5, 2, "mean")
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 4), (2, 5, 1)], ids=["one-candidate", "one-query-head"])
+def test_page_scores_leave_the_bounds_untouched(shape):
+    """Shapes where the bounds transposed are already contiguous: the scaled logits are a copy."""
+    bounds = torch.randn(shape)
+    kept = bounds.clone()
+    page_scores(bounds, 0.5, 1, "max")
+    assert torch.equal(bounds, kept)
+
+
 def test_box_scores_move_from_the_bound_to_the_center_with_the_radius_weight():
     _, kmin, kmax = _keys_and_bounds(6, 16, 2, 8)
     q = torch.randn(2, 4, 8)

@@ -21,10 +21,12 @@ on a page and its ranges tile the mapping without overlap; chunks are pinned in 
 ``b`` is pinned once :attr:`HostMemory.pinned_blocks` ``> b``. A range's pages are faulted in first
 (zeroed by the kernel: CPU work that holds no driver lock), then registered, with a pause after
 each call (:data:`PIN_DUTY`): a ``cudaHostRegister`` call holds the driver, so a step's CUDA calls
-on another thread wait for it; the pause keeps that rare. The thread does not pause while what it
-has pinned ends less than a chunk beyond the blocks in use (the largest :meth:`HostMemory.reserve`,
-which ends a pause when it moves that mark): a pause then would soon make a step wait, and a step
-waiting for pinned blocks (:meth:`HostMemory.ensure`) gains nothing from one.
+on another thread wait for it; the pause keeps that rare. The thread pauses only while what it has
+pinned ends a chunk or more beyond the blocks in use (the largest :meth:`HostMemory.reserve`, which
+ends a pause when it moves that mark): the chunk after the blocks in use is pinned at once (a pause
+would soon make a step wait, and a step waiting in :meth:`HostMemory.ensure` gains nothing from
+one); the chunks further ahead, asked for once a step had to wait (``ahead_blocks`` doubled), are
+paced.
 
 **One registration per copy.** A ``cudaMemcpy2DAsync`` (or ``cudaMemcpyAsync``) whose host region
 spans two registrations crashes the process (SIGSEGV inside the driver; one region inside one
@@ -71,9 +73,9 @@ logger = logging.getLogger(__name__)
 PIN_CHUNK_BYTES = 1 << 30
 """Bytes per chunk (keys and values of every layer), rounded to whole blocks, at least one."""
 PIN_DUTY = 0.25
-"""Share of the time the pinning thread spends registering: after a call of ``t`` seconds it
-sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps' launches rarely queue behind it (no pause while the
-pinned blocks end less than a chunk beyond those in use)."""
+"""Share of the time the pinning thread spends registering when it pins a chunk or more beyond the
+blocks in use: after a call of ``t`` seconds it sleeps ``t * (1 / PIN_DUTY - 1)``, so that the steps'
+launches rarely queue behind it (module doc)."""
 _REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute (2 is the memory type)
 

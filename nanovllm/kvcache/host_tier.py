@@ -22,10 +22,11 @@ Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops
 
     compute (the model's current stream): record step_start -> wait moves_done -> forward ...
                                           wait half_ready[h] -> attend half h -> record half_free[h]
-    spill stream:     wait step_start -> each move of the step, in order, all layers of a block per
-                      copy (cudaMemcpy2DAsync, strided by layer on both sides; a layer per copy
-                      where host memory is pinned on demand; D2H for spills and write-backs, H2D
-                      for load-backs) -> record moves_done
+    spill stream:     wait step_start -> the keys of each move of the step, in order, then the
+                      values, then an fp8 tier's scales (the tensors do not overlap), all layers of
+                      a block per copy (cudaMemcpy2DAsync, strided by layer on both sides; a layer
+                      per copy where host memory is pinned on demand; D2H for spills and
+                      write-backs, H2D for load-backs) -> record moves_done
     transfer stream:  wait half_free[h], moves_done -> H2D of one layer of a group of host blocks
                       into half h of the ring's slots, one copy per run of consecutive blocks
                       inside one registration (:func:`copy_runs`) -> record half_ready[h]
@@ -149,6 +150,8 @@ class HostTier:
             gpu_scales: an fp8 tier's GPU-tier scales ``(k, v)``, ``[L, num_gpu_blocks,
                 block_size, Hkv]`` each, moved with their blocks (None unscaled).
         """
+        if not moves:
+            return
         self.memory.ensure(1 + max(m.host for m in moves))
         self.step_start.record(self._compute_stream())
         self.spill_stream.wait_event(self.step_start)

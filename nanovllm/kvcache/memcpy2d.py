@@ -259,9 +259,10 @@ def memcpy_2d_moves_async(device: torch.Tensor, host: torch.Tensor, device_offse
     ``device_pitch`` bytes apart) and byte ``host_offsets[i]`` after ``host.data_ptr()`` (rows
     ``host_pitch`` apart), to the host where ``to_host[i]``, else to the device.
 
-    A step's block moves in one call: with a CUDA ``device`` and the extension, one C++ call issues
-    a ``cudaMemcpy2DAsync`` per move (the per-copy checks of :func:`memcpy_2d_async` done there);
-    otherwise (a CPU ``device``, or the torch backend) each move is a :func:`memcpy_2d_async`.
+    A step's block moves in one call: with a CUDA ``device`` and the extension, the regions are
+    checked here and one C++ call issues a ``cudaMemcpy2DAsync`` per move (checking that each host
+    region's first byte is pinned); otherwise (a CPU ``device``, or the torch backend) each move is
+    a :func:`memcpy_2d_async`.
 
     Args:
         device: the GPU side (a CPU tensor on CPU-only engines); host: the host side (pinned, at
@@ -295,7 +296,7 @@ def memcpy_2d_moves_async(device: torch.Tensor, host: torch.Tensor, device_offse
             outside = (start < 0) | (end > t.untyped_storage().nbytes())
             if outside.any():
                 i = int(outside.nonzero()[0, 0])
-                raise ValueError(f"sgdma: move {i}: the 2D region of {name} (byte offset {int(start[i])} + (height "
+                raise ValueError(f"sgdma: copy {i}: the 2D region of {name} (byte offset {int(start[i])} + (height "
                                  f"{height} - 1) * pitch {pitch} + width {width} = {int(end[i])} bytes) goes beyond its "
                                  f"storage of {t.untyped_storage().nbytes()} bytes")
         args = (device, host, offsets[0], offsets[1], torch.tensor(to_host, dtype=torch.bool), device_pitch,

@@ -206,7 +206,7 @@ def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str)
     seqs, num_pages, heads_q = bounds.shape
     # heads first, candidates contiguous: the softmax runs along the last dimension (over a middle
     # one, CUDA's softmax runs a strided kernel many times slower)
-    logits = bounds.transpose(1, 2).contiguous().mul_(scale)
+    logits = bounds.transpose(1, 2).clone(memory_format=torch.contiguous_format).mul_(scale)  # bounds untouched
     shares = torch.softmax(logits, dim=2).nan_to_num_(0.0)  # a row without candidates: 0/0
     grouped = shares.view(seqs, heads_kv, heads_q // heads_kv, num_pages)
     score = grouped.amax(2) if combine == "max" else grouped.sum(2)
