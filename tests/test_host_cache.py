@@ -116,6 +116,55 @@ def test_a_reused_registered_gpu_block_is_written_back_and_hit_on_the_host():
     assert bm.num_free_blocks == 12
 
 
+def test_write_backs_ahead_of_reuse_move_nothing_when_the_blocks_are_reused():
+    """With ``write_ahead_blocks``, the moves taken after a sequence freed its registered blocks
+    write the next ones the GPU tier reuses back ahead (``ahead`` moves into blank host blocks);
+    reusing them later hands the registration over with no copy, and a later prompt hits them."""
+    bm = BlockManager(4, BLOCK, num_host_blocks=8, write_ahead_blocks=3)
+    a = _seq(random_prompt(3 * BLOCK, seed=560))
+    prefill(bm, a)
+    a_gpu = list(a.block_table)
+    bm.deallocate(a)
+    ahead = bm.take_moves()
+    assert all(m.to_host and m.ahead for m in ahead)
+    assert [m.gpu for m in ahead] == a_gpu[::-1][:2], "among the next three the GPU tier reuses: its blank one, a's two last"
+    assert all(bm.index[h].tier == "gpu" for h in _block_hashes(a.token_ids)), "still registered on the GPU"
+    assert bm.take_moves() == [], "written ahead once"
+    b = _seq(random_prompt(4 * BLOCK - 10, seed=561))
+    prefill(bm, b)
+    moves = bm.take_moves()
+    assert [(m.gpu, m.ahead) for m in moves] == [(a_gpu[0], False)], "only the block not written ahead is copied"
+    assert [bm.index[h].tier for h in _block_hashes(a.token_ids)] == ["host"] * 3
+    assert bm.usage()["evicted_blocks"] == 3
+    bm.deallocate(b)
+    again = _seq(a.token_ids + [7])
+    bm.allocate(again)
+    assert again.num_cached_tokens == 3 * BLOCK
+    bm.deallocate(again)
+    assert bm.num_free_blocks == 12
+
+
+def test_nothing_is_written_ahead_while_blank_gpu_blocks_come_first():
+    bm = BlockManager(8, BLOCK, num_host_blocks=8, write_ahead_blocks=4)
+    a = _seq(random_prompt(3 * BLOCK, seed=580))
+    prefill(bm, a)
+    bm.deallocate(a)
+    assert bm.take_moves() == [], "the next four reused are blank: a's blocks are not written"
+
+
+def test_writes_ahead_take_only_blank_host_blocks():
+    """A write-back ahead of reuse never drops a cached prefix from the host tier."""
+    bm = BlockManager(4, BLOCK, num_host_blocks=1, write_ahead_blocks=4)
+    a = _seq(random_prompt(3 * BLOCK, seed=570))
+    prefill(bm, a)
+    bm.deallocate(a)
+    assert len(bm.take_moves()) == 1, "one blank host block: one block written ahead"
+    b = _seq(random_prompt(2 * BLOCK, seed=571))
+    prefill(bm, b)
+    bm.deallocate(b)
+    assert all(not m.ahead for m in bm.take_moves()), "no blank host block left"
+
+
 def test_loaded_back_blocks_keep_their_host_copy():
     """A loaded-back block spills and is written back again without a copy."""
     bm = BlockManager(4, BLOCK, num_host_blocks=8)

@@ -54,7 +54,7 @@ def test_moves_copied_in_one_call_equal_moves_copied_one_by_one():
     a write-back of a block loaded back) give the contents moves one at a time give."""
     gen = torch.Generator().manual_seed(1)
     moves = [BlockMove(0, 2, True), BlockMove(1, 3, True), BlockMove(2, 4, True), BlockMove(0, 3, False),
-             BlockMove(1, 4, False), BlockMove(3, 0, True), BlockMove(0, 5, True)]
+             BlockMove(1, 4, False), BlockMove(3, 0, True), BlockMove(0, 5, True), BlockMove(2, 6, True, ahead=True)]
     results = []
     for chunks in (None, [[m] for m in moves]):
         tier = _tier(4)
@@ -65,6 +65,7 @@ def test_moves_copied_in_one_call_equal_moves_copied_one_by_one():
         results.append((k_gpu, v_gpu, tier.k_host.clone(), tier.v_host.clone()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    assert torch.equal(results[0][2][:, 6], results[0][0][:, 2]), "a write-back ahead of reuse, after the others"
     k_gpu, _, k_host, _ = results[0]
     assert torch.equal(k_gpu[:, 0], k_host[:, 3]) and torch.equal(k_host[:, 0], k_gpu[:, 3])
     assert torch.equal(k_host[:, 5], k_host[:, 3]), "the last write-back read what a load-back wrote"

@@ -52,11 +52,14 @@ class BlockManager:
     """Args: num_gpu_blocks; block_size (tokens per block); num_host_blocks (0: no host tier);
     placement (the spill rule, default :class:`ColdestFirst`); release_window (tokens: every layer
     of the model attends through a sliding window at most this wide, so blocks before a running
-    sequence's window are released; None: blocks are held until the sequence ends)."""
+    sequence's window are released; None: blocks are held until the sequence ends);
+    write_ahead_blocks (with a host tier: how many of the registered free GPU blocks the GPU tier
+    reuses next are written back ahead of their reuse, ``eviction.TierMoves.write_ahead``; 0: none)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0, placement=None,
-                 release_window: int | None = None):
+                 release_window: int | None = None, write_ahead_blocks: int = 0):
         self.block_size, self.release_window = block_size, release_window
+        self.write_ahead_blocks = write_ahead_blocks
         self.index: dict[int, Block] = {}
         self.gpu = BlockPool("gpu", num_gpu_blocks, self.index)
         self.host = BlockPool("host", num_host_blocks, self.index)
@@ -200,8 +203,10 @@ class BlockManager:
             self.placement.add(gpu_id, index)
 
     def take_moves(self) -> list[BlockMove]:
-        """The moves between the tiers decided since the last call, in order (``eviction.py``);
-        the model runner copies them before the next forward."""
+        """The moves between the tiers decided since the last call, in order (``eviction.py``),
+        then the write-backs ahead of reuse of the next ``write_ahead_blocks`` registered free GPU
+        blocks; the model runner copies them before the next forward (the ahead ones during it)."""
+        self.tiers.write_ahead(self.write_ahead_blocks)
         return self.tiers.take()
 
     # ---- release and registration ------------------------------------------------------

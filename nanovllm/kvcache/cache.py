@@ -41,6 +41,7 @@ from nanovllm.kvcache.context import reset_context, set_context
 from nanovllm.kvcache.spec import uniform_storage
 from nanovllm.kvcache.step_inputs import StepInputs
 from nanovllm.kvcache.window import widest_window, window_start
+from nanovllm.ops._triton import cdiv
 from nanovllm.ops.kv_quant import SCALE_DTYPE, dequantize
 from nanovllm.utils.tensors import to_device
 
@@ -187,11 +188,15 @@ class KVCache:
             if self.host else "")
 
     def block_manager(self, sizes: TierSizes) -> BlockManager:
-        """The scheduler's block manager for tiers of ``sizes``: this cache's block size, and with a
-        sliding window in every layer, the widest (its running sequences release the blocks before
-        it, ``block_manager.py``)."""
-        return BlockManager(sizes.gpu_blocks, self.geometry.block_size, sizes.host_blocks,
-                            release_window=self.release_window)
+        """The scheduler's block manager for tiers of ``sizes``: this cache's block size, with a
+        sliding window in every layer the widest (its running sequences release the blocks before
+        it, ``block_manager.py``), and with a host tier the write-backs ahead of reuse of as many
+        registered free GPU blocks as one step can take (``max_num_batched_tokens`` in blocks, and
+        a block per sequence)."""
+        block_size = self.geometry.block_size
+        step_blocks = cdiv(self.config.max_num_batched_tokens, block_size) + self.config.max_num_seqs
+        return BlockManager(sizes.gpu_blocks, block_size, sizes.host_blocks, release_window=self.release_window,
+                            write_ahead_blocks=step_blocks if sizes.host_blocks else 0)
 
     def start_pinning(self):
         """Start pinning the host tier's memory in the background (after the CUDA graphs are
@@ -212,6 +217,8 @@ class KVCache:
         write-backs, load-backs, in order) before anything of this step touches the GPU tier; the
         policy's metadata follows them; the reuse cache forgets the pages of the host blocks
         rewritten."""
+        if self.host is not None:
+            self.host.wait_ahead()
         if not moves:
             return
         self.host.move(moves, self.kv[0], self.kv[1], None if self.kv_scales is None else tuple(self.kv_scales))

@@ -13,6 +13,11 @@ forward (``KVCache.begin_step``), in the order they were decided:
   block as always: an unregistered free one first, else the coldest registered free one (whose
   content is dropped), never a live sequence's block. Without a free host block the content is
   dropped, as with no host tier.
+- **write-back ahead** (a registered free GPU block the GPU tier reuses soon, GPU -> host): decided
+  with each step's moves (:meth:`TierMoves.write_ahead`) for the blocks among the next the GPU tier
+  reuses, into blank host blocks; the block stays registered in the GPU tier with a host copy, so
+  its write-back at reuse moves nothing. Its copy overlaps the step (an ``ahead`` move: that step's
+  forward does not wait for it, the next step's does).
 - **load-back** (a host-tier prefix hit, host -> GPU): at admission, a hit that no live sequence
   holds is copied to a GPU block (``BlockManager.allocate`` says when) and the hash registered
   there; the host block stays, free, as its *host copy* (``block_pool.py``), so the block spills
@@ -29,6 +34,7 @@ host block and leaves it free; a load-back takes a free GPU block and frees its 
 free block used, as a hit on the host block would be); a spill uses a free host block for a GPU
 block that is used again at once. Admission (``BlockManager.can_allocate``) counts both tiers.
 """
+import itertools
 from typing import NamedTuple
 
 from nanovllm.kvcache.block_pool import NO_BLOCK, Block, BlockPool
@@ -39,11 +45,13 @@ from nanovllm.sequence import Sequence
 class BlockMove(NamedTuple):
     """One block of every layer copied between the tiers: GPU block ``gpu`` to host block ``host``
     when ``to_host`` (a spill or a write-back), else host block ``host`` to GPU block ``gpu`` (a
-    load-back)."""
+    load-back). ``ahead``: a write-back ahead of reuse, which the step's forward does not wait for
+    (the next step's does)."""
 
     gpu: int
     host: int
     to_host: bool
+    ahead: bool = False
 
 
 class TierMoves:
@@ -87,6 +95,28 @@ class TierMoves:
             self.host.touch(dst)
         self.index[src.hash] = dst
         src.unlink()
+
+    def write_ahead(self, window: int):
+        """Write back ahead of their reuse the registered free GPU blocks among the next ``window``
+        free blocks the GPU tier reuses (blank ones first: with ``window`` blank free blocks
+        nothing is written) that have no host copy, while the host tier has blank free blocks (no
+        cached prefix is dropped for them): each gets a host copy, so that reusing it later hands
+        the registration over without a copy. The copies are ``ahead`` moves: they overlap the step
+        they are issued with."""
+        if not self.host.num_blocks:
+            return
+        for block_id in itertools.islice(self.gpu.free, window):
+            block = self.gpu.blocks[block_id]
+            if block.copy is not None or not block.is_registered(self.index):
+                continue
+            if not self.host.takes_are_blank(1):
+                break
+            dst = self.host.take()
+            dst.take_content(block)
+            self.host.release(dst)  # free: a copy of a block registered in the GPU tier
+            block.link(dst)
+            self.moves.append(BlockMove(block_id, dst.block_id, True, ahead=True))
+            self.num_written_back += 1
 
     def can_spill(self, num_blocks: int, new_candidates: int = 0) -> bool:
         """Whether ``num_blocks`` spills in a row can be made now, with ``new_candidates`` more

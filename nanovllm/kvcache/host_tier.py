@@ -26,7 +26,9 @@ Streams and events (CUDA; on CPU every copy is synchronous and events are no-ops
                       values, then an fp8 tier's scales (the tensors do not overlap), all layers of
                       a block per copy (cudaMemcpy2DAsync, strided by layer on both sides; a layer
                       per copy where host memory is pinned on demand; D2H for spills and
-                      write-backs, H2D for load-backs) -> record moves_done
+                      write-backs, H2D for load-backs) -> record moves_done -> the write-backs
+                      ahead of reuse, the same way -> record ahead_done (the next step's compute
+                      waits for it: wait_ahead)
     transfer stream:  wait half_free[h], moves_done -> H2D of one layer of a group of host blocks
                       into half h of the ring's slots, one copy per run of consecutive blocks
                       inside one registration (:func:`copy_runs`) -> record half_ready[h]
@@ -128,7 +130,8 @@ class HostTier:
             self.transfer_stream = self.spill_stream = _NullStream()
         self.half_ready = [new_event() for _ in range(2)]
         self.half_free = [new_event() for _ in range(2)]
-        self.step_start, self.spill_done = new_event(), new_event()
+        self.step_start, self.spill_done, self.ahead_done = new_event(), new_event(), new_event()
+        self.ahead_pending = False
 
     def _stream_ctx(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -142,8 +145,9 @@ class HostTier:
         """Copy every layer of each move's block (``eviction.BlockMove``: GPU to host when
         ``to_host``, else host to GPU), in order, on the spill stream, after the compute stream's
         work so far; the compute stream then waits for the copies (this step rewrites GPU blocks
-        moved to the host and reads those moved to the GPU). Waits first (logged) if a host
-        block is not pinned yet, and keeps the pinning a chunk ahead.
+        moved to the host and reads those moved to the GPU), but for the ``ahead`` ones (last in
+        ``moves``), which overlap the step and which the next step waits for (:meth:`wait_ahead`).
+        Waits first (logged) if a host block is not pinned yet, and keeps the pinning a chunk ahead.
 
         Args:
             k_gpu, v_gpu: the GPU tier, ``[L, num_gpu_blocks, block_size, Hkv, D]``.
@@ -155,6 +159,28 @@ class HostTier:
         self.memory.ensure(1 + max(m.host for m in moves))
         self.step_start.record(self._compute_stream())
         self.spill_stream.wait_event(self.step_start)
+        now, ahead = [m for m in moves if not m.ahead], [m for m in moves if m.ahead]  # independent sets
+        if now:
+            self._copy(now, k_gpu, v_gpu, gpu_scales)
+        self.spill_done.record(self.spill_stream)
+        self._compute_stream().wait_event(self.spill_done)
+        if ahead:
+            self._copy(ahead, k_gpu, v_gpu, gpu_scales)
+            self.ahead_done.record(self.spill_stream)
+            self.ahead_pending = True
+        to_host = sum(m.to_host for m in moves)
+        self.bytes_d2h += to_host * self.num_layers * self.layer_block_bytes
+        self.bytes_h2d += (len(moves) - to_host) * self.num_layers * self.layer_block_bytes
+
+    def wait_ahead(self):
+        """The compute stream waits for the last step's write-backs ahead of reuse (before this
+        step's forward may rewrite the blocks they read)."""
+        if self.ahead_pending:
+            self._compute_stream().wait_event(self.ahead_done)
+            self.ahead_pending = False
+
+    def _copy(self, moves: list[BlockMove], k_gpu, v_gpu, gpu_scales):
+        """``moves`` in order on the spill stream: one call per tensor (keys, values, scales)."""
         # (first layer, layers) per copy: all at once where the host side is one allocation, else a
         # layer at a time (one copy must stay inside one registration: host_memory.py)
         all_layers = [(0, self.num_layers)]
@@ -173,11 +199,6 @@ class HostTier:
             host_offsets = [first * host_pitch + m.host * host_block for m in moves for first, _ in layer_runs]
             memcpy_2d_moves_async(gpu, host, gpu_offsets, host_offsets, [up for up in to_host for _ in layer_runs],
                                   gpu_pitch, host_pitch, width, height, stream)
-        self.spill_done.record(self.spill_stream)
-        self._compute_stream().wait_event(self.spill_done)
-        to_host = sum(m.to_host for m in moves)
-        self.bytes_d2h += to_host * self.num_layers * self.layer_block_bytes
-        self.bytes_h2d += (len(moves) - to_host) * self.num_layers * self.layer_block_bytes
 
     # ---- ring --------------------------------------------------------------------------
     def load(self, half: int, first_slot: int, layer: int, host_ids: list[int]):
