@@ -72,7 +72,15 @@ def test_moves_ring_and_gather_over_registered_memory(dtype):
     tier.move(moves, gpu[0], gpu[1])
     torch.cuda.synchronize()
     assert tier.memory.pinned_blocks == blocks
-    for g, h, _ in moves:
+    for g, h in ((m.gpu, m.host) for m in moves):
+        assert torch.equal(tier.k_host[:, h], gpu[0, :, g].cpu()) and torch.equal(tier.v_host[:, h], gpu[1, :, g].cpu())
+    # a write-back ahead of reuse after a step's move: the next step waits for it (wait_ahead)
+    tier.move([BlockMove(4, 1, True), BlockMove(5, 2, True, ahead=True)], gpu[0], gpu[1])
+    assert tier.ahead_pending
+    tier.wait_ahead()
+    torch.cuda.current_stream().synchronize()
+    assert not tier.ahead_pending
+    for g, h in ((4, 1), (5, 2)):
         assert torch.equal(tier.k_host[:, h], gpu[0, :, g].cpu()) and torch.equal(tier.v_host[:, h], gpu[1, :, g].cpu())
     back = gpu.clone()
     tier.move([BlockMove(6, 23, False)], back[0], back[1])
