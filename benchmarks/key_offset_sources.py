@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-
 from nanovllm.kvcache.key_offset import CALIBRATION_TOKENS, calibration_token_ids
 from nanovllm.ops.kv_quant import dequantize, quantize_ref
+
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def modeling_module(model: str):

@@ -81,16 +81,12 @@ bool host_ptr_is_pinned(const void* ptr) {
   return attr.type == cudaMemoryTypeHost;
 }
 
-void check_pinned_ptr(const void* ptr, const char* name, const std::string& kind) {
-  if (!host_ptr_is_pinned(ptr)) {
+void check_pinned(const torch::Tensor& t, const char* name, const std::string& kind) {
+  if (!host_ptr_is_pinned(t.data_ptr())) {
     throw std::invalid_argument(cat("sgdma: ", name, " is a host tensor of a '", kind,
                                     "' copy but is not in pinned (page-locked) memory; allocate "
                                     "it with pin_memory=True"));
   }
-}
-
-void check_pinned(const torch::Tensor& t, const char* name, const std::string& kind) {
-  check_pinned_ptr(t.data_ptr(), name, kind);
 }
 
 void check_device(const torch::Tensor& t, const char* name, bool want_cuda,
@@ -131,21 +127,19 @@ void check_shape(int64_t dpitch, int64_t spitch, int64_t width, int64_t height) 
     throw std::invalid_argument(cat("sgdma: width ", width, " bytes exceeds spitch ", spitch, " bytes"));
 }
 
-// The cudaMemcpyKind of `kind` after checking the tensors' devices; `pinned` says whether the
-// host tensor of a host<->device copy must be pinned at its data_ptr() (the moves check each
-// region's first byte instead).
-cudaMemcpyKind resolve_kind(const torch::Tensor& dst, const torch::Tensor& src, const std::string& kind,
-                            bool pinned) {
+// The cudaMemcpyKind of `kind` after checking the tensors' devices (and that the host tensor of a
+// host<->device copy is pinned at its data_ptr()).
+cudaMemcpyKind resolve_kind(const torch::Tensor& dst, const torch::Tensor& src, const std::string& kind) {
   if (kind == "h2d") {
     check_device(dst, "dst", true, kind);
     check_device(src, "src", false, kind);
-    if (pinned) check_pinned(src, "src", kind);
+    check_pinned(src, "src", kind);
     return cudaMemcpyHostToDevice;
   }
   if (kind == "d2h") {
     check_device(dst, "dst", false, kind);
     check_device(src, "src", true, kind);
-    if (pinned) check_pinned(dst, "dst", kind);
+    check_pinned(dst, "dst", kind);
     return cudaMemcpyDeviceToHost;
   }
   if (kind == "d2d") {
@@ -164,7 +158,7 @@ cudaMemcpyKind resolve_kind(const torch::Tensor& dst, const torch::Tensor& src, 
         throw std::invalid_argument(cat("sgdma: tensors must be on the CPU or a CUDA device, got ",
                                         t->device().str()));
     }
-    if (pinned && dst.is_cuda() != src.is_cuda()) {
+    if (dst.is_cuda() != src.is_cuda()) {
       const torch::Tensor& host = dst.is_cuda() ? src : dst;
       check_pinned(host, dst.is_cuda() ? "src" : "dst", kind);
     }
@@ -204,7 +198,7 @@ void memcpy_2d_async(torch::Tensor dst, torch::Tensor src, int64_t dpitch, int64
   check_shape(dpitch, spitch, width, height);
   check_region(dst, "dst", dpitch, width, height);
   check_region(src, "src", spitch, width, height);
-  const cudaMemcpyKind ckind = resolve_kind(dst, src, kind, true);
+  const cudaMemcpyKind ckind = resolve_kind(dst, src, kind);
 
   // Run on the CUDA tensor's device (dst first); a host-to-host copy uses the current device.
   const torch::Tensor* dev_tensor = dst.is_cuda() ? &dst : (src.is_cuda() ? &src : nullptr);

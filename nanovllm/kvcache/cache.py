@@ -196,7 +196,7 @@ class KVCache:
         block_size = self.geometry.block_size
         step_blocks = cdiv(self.config.max_num_batched_tokens, block_size) + self.config.max_num_seqs
         return BlockManager(sizes.gpu_blocks, block_size, sizes.host_blocks, release_window=self.release_window,
-                            write_ahead_blocks=step_blocks if sizes.host_blocks else 0)
+                            write_ahead_blocks=step_blocks)
 
     def start_pinning(self):
         """Start pinning the host tier's memory in the background (after the CUDA graphs are

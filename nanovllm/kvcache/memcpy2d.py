@@ -259,10 +259,11 @@ def memcpy_2d_moves_async(device: torch.Tensor, host: torch.Tensor, device_offse
     ``device_pitch`` bytes apart) and byte ``host_offsets[i]`` after ``host.data_ptr()`` (rows
     ``host_pitch`` apart), to the host where ``to_host[i]``, else to the device.
 
-    A step's block moves in one call: with a CUDA ``device`` and the extension, the regions are
-    checked here and one C++ call issues a ``cudaMemcpy2DAsync`` per move (checking that each host
-    region's first byte is pinned); otherwise (a CPU ``device``, or the torch backend) each move is
-    a :func:`memcpy_2d_async`.
+    A step's block moves in one call: with a CUDA ``device`` and the extension, the arguments are
+    checked here as :func:`memcpy_2d_async` checks them (for the lowest and the highest offsets,
+    which bound every move's regions) and one C++ call issues a ``cudaMemcpy2DAsync`` per move
+    (checking that each host region's first byte is pinned); otherwise (a CPU ``device``, or the
+    torch backend) each move is a :func:`memcpy_2d_async`.
 
     Args:
         device: the GPU side (a CPU tensor on CPU-only engines); host: the host side (pinned, at
@@ -284,21 +285,12 @@ def memcpy_2d_moves_async(device: torch.Tensor, host: torch.Tensor, device_offse
     if not n:
         return
     if device.is_cuda and _resolve() != "torch":
-        device_pitch, host_pitch = _int("device_pitch", device_pitch), _int("host_pitch", host_pitch)
-        width, height = _int("width", width), _int("height", height)
-        if not (0 < width <= min(device_pitch, host_pitch)) or height <= 0:
-            raise ValueError(f"sgdma: width {width} must be in (0, min(device_pitch {device_pitch}, host_pitch "
-                             f"{host_pitch})] bytes and height {height} > 0 rows")
+        # every move's regions have one shape: the lowest offsets start first, the highest end last
+        for t, offsets in ((device, device_offsets), (host, host_offsets)):
+            _bytes_from(t, min(offsets))
+        _check_args(_bytes_from(device, max(device_offsets)), _bytes_from(host, max(host_offsets)), device_pitch,
+                    host_pitch, width, height, "h2d", stream)
         offsets = torch.tensor([device_offsets, host_offsets], dtype=torch.int64)
-        for name, t, off, pitch in (("device", device, offsets[0], device_pitch), ("host", host, offsets[1], host_pitch)):
-            start = t.storage_offset() * t.element_size() + off
-            end = start + (height - 1) * pitch + width
-            outside = (start < 0) | (end > t.untyped_storage().nbytes())
-            if outside.any():
-                i = int(outside.nonzero()[0, 0])
-                raise ValueError(f"sgdma: copy {i}: the 2D region of {name} (byte offset {int(start[i])} + (height "
-                                 f"{height} - 1) * pitch {pitch} + width {width} = {int(end[i])} bytes) goes beyond its "
-                                 f"storage of {t.untyped_storage().nbytes()} bytes")
         args = (device, host, offsets[0], offsets[1], torch.tensor(to_host, dtype=torch.bool), device_pitch,
                 host_pitch, width, height)
         if stream is not None and stream.cuda_stream == 0:
