@@ -55,6 +55,8 @@ class DecodeSelection:
         groups: per group, ``(indices among the choosing sequences, batch rows)`` (int64 device
             tensors; the group's choosing rows, then with group 0 the rows that do not choose);
             one group for the batch when the staging pages suffice.
+        in_batch_order: one group whose rows are the batch's in order (its reads' outputs are the
+            batch's as they are).
     """
 
     def __init__(self, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], choosing: list[int],
@@ -119,6 +121,8 @@ class DecodeSelection:
         self.other_lens = to_device(other_lens, torch.int32, device)
         self.context_tokens = sum(lengths)
         self.groups = self._plan_groups(tables, choosing, others, num_pages)
+        self.in_batch_order = len(self.groups) == 1 and choosing + others == list(range(len(tables)))
+        self._plans: dict[tuple[int, int], _GroupPlan] = {}
 
     @classmethod
     def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
@@ -184,41 +188,86 @@ class DecodeSelection:
 
     def layer_reads(self, layer: int, picks: torch.Tensor, group: int, reuse: ReuseCache | None) -> LayerReads:
         """What ``layer`` reads for the rows of ``groups[group]`` given the policy's picks (int64
-        ``[S, Hkv, k]`` columns of the candidates, -1 for none), on the device (module doc)."""
-        indices, batch_rows = self.groups[group]
-        heads, page = self.num_kv_heads, self.page_size
+        ``[S, Hkv, k]`` columns of the candidates, -1 for none), on the device (module doc). Only the
+        picks' places are looked up per layer; the fixed pages', the lengths and the rows that read
+        everything are the step's (:meth:`_plan`). In a step with no host page the gather list is
+        None (nothing to gather, nothing counted)."""
+        plan = self._plan(group, picks.shape[2])
+        heads, num = self.num_kv_heads, plan.num
         layer_page = layer * self.layout.layer_rows * self.pages_per_block
-        staging_page = self.layout.staging_base * self.pages_per_block
-        fixed = self.fixed[indices]
-        num = fixed.shape[0]
-        picked = torch.where(picks[indices] >= 0, picks[indices] + self.candidates.first, -1)
-        sink = self.policy.sink_pages
-        logical = torch.cat([fixed[:, None, :sink].expand(num, heads, sink), picked,
-                             fixed[:, None, sink:].expand(num, heads, fixed.shape[1] - sink)], dim=2)
-        rows = self.rows[indices]
-        index = logical.clamp(min=0).flatten(1)
-        gpu = self.phys[rows].gather(1, index).view_as(logical)
-        host = self.host_pages[rows].gather(1, index).view_as(logical)
-        gpu = torch.where(logical >= 0, gpu, -1)
-        host = torch.where((logical >= 0) & (gpu < 0), host, -1)
-        host_by_head = host.transpose(0, 1).flatten(1)  # [Hkv, S x E]: (sequence, read) order per head
-        if reuse is not None:
-            pages, miss = reuse.place(layer, host_by_head, staging_page)
+        picks = picks if plan.indices is None else picks[plan.indices]
+        index = (picks + self.candidates.first).clamp_(min=0).flatten(1)
+        valid = picks >= 0
+        gpu = torch.where(valid, plan.phys.gather(1, index).view_as(picks), -1)
+        gpu = torch.cat([plan.sink_gpu, gpu, plan.tail_gpu], dim=2)
+        if plan.host is None:  # every page of the group is in the GPU tier
+            chosen, src = torch.where(gpu >= 0, gpu + layer_page, -1), None
+            dst = heads_of = host_reads = misses = None
         else:
-            miss = host_by_head >= 0
-            pages = torch.where(miss, staging_page + miss.long().cumsum(1) - 1, -1)
-        pages = pages.view(heads, num, -1).transpose(0, 1)
-        chosen = torch.where(gpu >= 0, gpu + layer_page, pages)
-        width = max(logical.shape[2], self.other_tables.shape[1] if self.other_tables is not None else 0)
-        tables = torch.full((batch_rows.shape[0], heads, width), -1, dtype=torch.int64, device=self.device)
-        tables[:num, :, :chosen.shape[2]] = chosen
-        if group == 0 and self.other_tables is not None:
-            other = self.other_tables + layer_page
-            tables[num:, :, :other.shape[1]] = torch.where(self.other_tables >= 0, other, -1)[:, None, :]
-        src = torch.where(miss, host_by_head, -1).flatten()
-        head_of = torch.arange(heads, device=self.device).repeat_interleave(miss.shape[1])
-        lens = (logical.shape[2] * page - self.choose_free[indices]).to(torch.int32)
-        if group == 0 and self.other_tables is not None:
-            lens = torch.cat([lens, self.other_lens])
-        return LayerReads(tables.to(torch.int32), lens, src, head_of, pages.transpose(0, 1).flatten(),
-                          (host_by_head >= 0).sum(), miss.sum())
+            host = torch.where(valid, plan.host.gather(1, index).view_as(picks), -1)
+            host = torch.cat([plan.sink_host, host, plan.tail_host], dim=2)
+            host = torch.where(gpu < 0, host, -1)
+            host_by_head = host.transpose(0, 1).flatten(1)  # [Hkv, S x E]: (sequence, read) order per head
+            staging_page = self.layout.staging_base * self.pages_per_block
+            if reuse is not None:
+                pages, miss = reuse.place(layer, host_by_head, staging_page)
+            else:
+                miss = host_by_head >= 0
+                pages = torch.where(miss, staging_page + miss.long().cumsum(1) - 1, -1)
+            chosen = torch.where(gpu >= 0, gpu + layer_page, pages.view(heads, num, -1).transpose(0, 1))
+            src = torch.where(miss, host_by_head, -1).flatten()
+            heads_of = torch.arange(heads, device=self.device).repeat_interleave(miss.shape[1])
+            dst = pages.flatten()
+            host_reads, misses = (host_by_head >= 0).sum(), miss.sum()
+        if plan.other_tables is None:
+            tables = chosen.to(torch.int32)
+        else:
+            tables = torch.full((num + plan.other_tables.shape[0], heads, max(chosen.shape[2], plan.other_tables.shape[2])),
+                                -1, dtype=torch.int32, device=self.device)
+            tables[:num, :, :chosen.shape[2]] = chosen
+            tables[num:, :, :plan.other_tables.shape[2]] = torch.where(plan.other_tables >= 0,
+                                                                       plan.other_tables + layer_page, -1)
+        return LayerReads(tables, plan.lens, src, heads_of, dst, host_reads, misses)
+
+    def _plan(self, group: int, num_picks: int) -> "_GroupPlan":
+        """The layer-independent part of ``groups[group]``'s reads with ``num_picks`` picks per (row,
+        KV head), built at the step's first layer and kept for the others."""
+        key = (group, num_picks)
+        if key not in self._plans:
+            self._plans[key] = _GroupPlan(self, group, num_picks)
+        return self._plans[key]
+
+
+class _GroupPlan:
+    """What every layer's reads of one group share (device tensors): its choosing rows' pages in the
+    GPU tier (``phys [num, P]``) and on the host (``host``, None when the group has no host page),
+    the places of the fixed pages before and after the picks (``sink_*``, ``tail_* [num, Hkv, n]``),
+    the rows' lengths (int32, the others' after the choosing rows'), and the tables of the rows that
+    read everything without the layer's offset (``other_tables [n, Hkv, W]``, -1 padded; group 0
+    only, None when there are none)."""
+
+    def __init__(self, selection: DecodeSelection, group: int, num_picks: int):
+        indices, batch_rows = selection.groups[group]
+        heads, sink = selection.num_kv_heads, selection.policy.sink_pages
+        self.indices = None if len(selection.groups) == 1 and indices.shape[0] == len(selection.choosing) else indices
+        rows = selection.rows if self.indices is None else selection.rows[indices]
+        fixed = selection.fixed if self.indices is None else selection.fixed[indices]
+        self.num = num = fixed.shape[0]
+        self.phys = selection.phys[rows]
+        fixed_gpu = self.phys.gather(1, fixed)
+        self.sink_gpu, self.tail_gpu = (t[:, None, :].expand(num, heads, t.shape[1])
+                                        for t in (fixed_gpu[:, :sink], fixed_gpu[:, sink:]))
+        if selection.num_host_blocks:
+            self.host = selection.host_pages[rows]
+            fixed_host = torch.where(fixed_gpu < 0, self.host.gather(1, fixed), -1)
+            self.sink_host, self.tail_host = (t[:, None, :].expand(num, heads, t.shape[1])
+                                              for t in (fixed_host[:, :sink], fixed_host[:, sink:]))
+        else:
+            self.host = None
+        reads = (fixed.shape[1] + num_picks) * selection.page_size
+        choose_free = selection.choose_free if self.indices is None else selection.choose_free[indices]
+        self.lens = (reads - choose_free).to(torch.int32)
+        self.other_tables = None
+        if group == 0 and selection.other_tables is not None:
+            self.lens = torch.cat([self.lens, selection.other_lens])
+            self.other_tables = selection.other_tables[:, None, :].expand(-1, heads, -1)

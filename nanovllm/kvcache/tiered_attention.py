@@ -300,17 +300,28 @@ class TieredAttention:
         scale_pages = None if self.k_scale_rows is None else tuple(
             rows.view(-1, page, heads) for rows in (self.k_scale_rows, self.v_scale_rows))
         scales = {} if scale_pages is None else {"k_scale": scale_pages[0], "v_scale": scale_pages[1]}
+        if selection.in_batch_order:
+            reads = self._gather_reads(layer, picks, 0, selection, k_pages, v_pages, scale_pages)
+            out, lse = decode_attention(q, k_pages, v_pages, reads.tables, reads.lens, self.scale, return_lse=True,
+                                        **scales)
+            return out, lse, picks.shape[2]
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         for group, (_, batch_rows) in enumerate(selection.groups):
-            reads = selection.layer_reads(layer, picks, group, self.reuse)
-            if self.host is not None:
-                self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst, scale_pages)
-                self.stats.add_comm(layer, False, reads.misses * self.host.page_head_bytes(page), 0)
-                if self.reuse is not None:
-                    self.stats.add_reuse(layer, reads.host_reads - reads.misses, reads.host_reads)
+            reads = self._gather_reads(layer, picks, group, selection, k_pages, v_pages, scale_pages)
             group_out, group_lse = decode_attention(q[batch_rows], k_pages, v_pages, reads.tables, reads.lens,
                                                     self.scale, return_lse=True, **scales)
             out.index_copy_(0, batch_rows, group_out)
             lse.index_copy_(0, batch_rows, group_lse)
         return out, lse, picks.shape[2]
+
+    def _gather_reads(self, layer, picks, group: int, selection: DecodeSelection, k_pages, v_pages, scale_pages):
+        """``group``'s reads at ``layer`` (:meth:`DecodeSelection.layer_reads`), their missed host
+        pages gathered into their rows and counted."""
+        reads = selection.layer_reads(layer, picks, group, self.reuse)
+        if self.host is not None and reads.src is not None:
+            self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst, scale_pages)
+            self.stats.add_comm(layer, False, reads.misses * self.host.page_head_bytes(self.policy.page_size), 0)
+            if self.reuse is not None:
+                self.stats.add_reuse(layer, reads.host_reads - reads.misses, reads.host_reads)
+        return reads
