@@ -5,10 +5,17 @@ Captured sizes are 1, 2, 4, 8 and every multiple of 16 up to ``max_num_seqs`` (a
 ``slot_mapping = -1`` and ``context_lens = 0``, so they neither write nor read the KV cache. A
 model with sliding windows gets, per distinct window, its own table, lengths and starts buffers
 (as wide as the most blocks the window spans); a model without keeps exactly the buffers above.
+
+With a policy that chooses decode pages, the cache's ``choosing_graph_sizes`` get a second graph
+each: the whole choosing decode (the policy's scores and top-k, each KV head's page tables, the
+page-level reads) over a fixed-shape selection (``DecodeSelection.for_graphs``: candidates padded
+to ``max_model_len``), into which a step's selection is copied before the replay. A step whose
+every row chooses and reads only the GPU tier replays it (``ctx.graph_batch``, ``step_inputs.py``).
 """
 import torch
 
 from nanovllm.kvcache.context import Context, WindowReads, get_context, reset_context, set_context
+from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.kvcache.window import window_table_width
 
 
@@ -42,36 +49,43 @@ class DecodeGraphs:
             for w in sorted({w for w in windows if w is not None})}
         self.outputs = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.selections = {bs: runner.cache.graph_selection(bs) for bs in runner.cache.choosing_graph_sizes}
+        self.choosing_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self._capture_all()
 
-    def _context(self, bs: int) -> Context:
+    def _context(self, bs: int, selection: DecodeSelection | None = None) -> Context:
         windows = {w: WindowReads(r.block_tables[:bs], r.context_lens[:bs], r.context_starts[:bs])
                    for w, r in self.windows.items()}
-        return Context(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                       context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs], windows=windows)
+        return Context(is_prefill=False, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
+                       block_tables=self.block_tables[:bs], windows=windows, selection=selection)
 
     @torch.inference_mode()
     def _capture_all(self):
         for bs in reversed(self.sizes):
-            set_context(self._context(bs))
-            out = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
-            if self.outputs is None:
-                self.outputs = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype, device=out.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.pool):
-                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-            reset_context()
+            self.graphs[bs] = self._capture(bs, None)
+        for bs, selection in sorted(self.selections.items(), reverse=True):
+            self.choosing_graphs[bs] = self._capture(bs, selection)
 
-    def fits(self, batch_size: int) -> bool:
-        return batch_size <= self.sizes[-1]
+    def _capture(self, bs: int, selection: DecodeSelection | None) -> torch.cuda.CUDAGraph:
+        set_context(self._context(bs, selection))
+        out = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
+        if self.outputs is None:
+            self.outputs = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype, device=out.device)
+        if selection is not None:
+            selection.reset_plans()  # the captured layers compute them from the selection's tensors
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        reset_context()
+        return graph
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Copy the decode inputs (and the current context) into the graph's buffers, replay."""
+        """Copy the decode inputs (and the current context, its selection included) into the
+        graph's buffers, replay; ``input_ids`` is padded to a captured size (``ctx.graph_batch``)."""
         bs = input_ids.size(0)
         graph_bs = next(s for s in self.sizes if s >= bs)
         ctx = get_context()
@@ -90,10 +104,16 @@ class DecodeGraphs:
             buffers.context_lens[:bs] = reads.context_lens
             buffers.context_starts[:bs] = reads.context_starts
             buffers.block_tables[:bs, :reads.block_tables.size(1)] = reads.block_tables
-        self.graphs[graph_bs].replay()
+        if ctx.selection is None:
+            self.graphs[graph_bs].replay()
+        else:
+            self.selections[graph_bs].load(ctx.selection)
+            self.choosing_graphs[graph_bs].replay()
         return self.outputs[:bs]
 
     def release(self):
         self.graphs.clear()
+        self.choosing_graphs.clear()
+        self.selections.clear()
         self.pool = None
         self.outputs = None

@@ -197,7 +197,7 @@ class ModelRunner:
                   sample_idx: list[int]) -> torch.Tensor:
         """Hidden states of the rows in ``sample_idx`` -> logits ``[len(sample_idx), vocab]``."""
         graphs = self.graphs
-        if not is_prefill and graphs is not None and get_context().paged_only and graphs.fits(input_ids.size(0)):
+        if not is_prefill and graphs is not None and get_context().graph_batch:
             hidden = graphs.replay(input_ids, positions)
         else:
             hidden = self.model(input_ids, positions)

@@ -47,6 +47,10 @@ from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)
 
+CHOOSING_GRAPH_SEQS = 32
+"""The largest decode batch whose choosing decode is captured in CUDA graphs (their temporaries
+grow with the batch times the candidate pages of ``max_model_len``)."""
+
 
 class KVCache:
     """Args: config; layers (the model's attention layers, in order, each declaring its
@@ -65,13 +69,14 @@ class KVCache:
         self.num_ring_slots = sizing.ring_slots(config.num_ring_slots, self.geometry) if self.tiered else 0
         self.windows = [spec.sliding_window for spec in self.specs]
         self.release_window = widest_window(self.windows)
-        self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
-                                 config.max_model_len, self.windows)
         self.policy = create_policy(config, layer.scale)
         self.chooses = self.policy.chooses_decode_pages and all(w is None for w in self.windows)
         if self.policy.chooses_decode_pages and not self.chooses:
             logger.warning("sparse_policy=%r reads every page of each layer's sliding window (choosing pages inside "
                            "a window is not supported)", config.sparse_policy)
+        self.choosing_graph_sizes = self._choosing_graph_sizes(decode_batch_sizes)
+        self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
+                                 config.max_model_len, self.windows, self.choosing_graph_sizes)
         picks_from_host = self.tiered and self.chooses
         self.reuse_rows = reuse_cache_rows(config) if picks_from_host else 0
         self.staging_rows = staging_rows(config) if picks_from_host else 0
@@ -85,6 +90,24 @@ class KVCache:
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks with a page filled by the step (the policy's metadata)
+
+    def _choosing_graph_sizes(self, decode_batch_sizes: list[int] | None) -> list[int]:
+        """The batch sizes whose decode with the choosing policy is captured in CUDA graphs: the
+        captured sizes up to :data:`CHOOSING_GRAPH_SEQS`, when graphs are captured, every page is in
+        the GPU tier (no host tier), the policy allows it (``choice_in_graphs``) and a sequence of
+        ``max_model_len`` tokens has more candidate pages than the budget (else none ever chooses)."""
+        policy, config = self.policy, self.config
+        if not (decode_batch_sizes and self.chooses and not self.tiered and not config.enforce_eager
+                and policy.choice_in_graphs):
+            return []
+        pages = cdiv(config.max_model_len, config.kvcache_block_size) * (config.kvcache_block_size // policy.page_size)
+        return [s for s in decode_batch_sizes if s <= CHOOSING_GRAPH_SEQS] if policy.selects(pages) else []
+
+    def graph_selection(self, batch: int) -> DecodeSelection:
+        """The fixed-shape selection of the choosing graphs of ``batch`` rows
+        (:meth:`DecodeSelection.for_graphs`), over the allocated cache."""
+        return DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
+                                          self.geometry.block_size, self.geometry.num_kv_heads, self.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
@@ -259,6 +282,8 @@ class KVCache:
                 self._note_filled(seq, len(seq) - 1, len(seq))
             if self.counts_decode_reads and ctx.selection is None:
                 self._count_window_reads(seqs)
+            elif ctx.selection is not None and ctx.graph_batch:  # a graph's layers count nothing
+                self._count_selected_reads(ctx.selection)
         set_context(ctx)
         self.attention.begin_step(ctx)
         return (to_device(input_ids, torch.int64, self.device), to_device(positions, torch.int64, self.device),
@@ -301,6 +326,11 @@ class KVCache:
         for layer, window in enumerate(self.windows):
             read = sum(len(seq) - window_start(len(seq) - 1, window) for seq in seqs)
             self.stats.add_reads(layer, read, tokens)
+
+    def _count_selected_reads(self, selection: DecodeSelection):
+        """What each layer of a replayed choosing step reads, as its eager layers count it."""
+        for layer in range(self.geometry.num_layers):
+            self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks), selection.context_tokens)
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
         """The batch's choosing part, when the policy chooses for some sequence (the attention

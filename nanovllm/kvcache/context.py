@@ -78,6 +78,8 @@ class Context:
         key_sums: a calibration prefill (``slot_mapping`` None), float32 ``[L, Hkv, D]``: each
             layer adds its keys after RoPE, summed over the step's tokens
             (``nanovllm.kvcache.key_offset``); None in every other step.
+        graph_batch: decode, the captured CUDA-graph batch size the step is padded to and replayed
+            at (``step_inputs.py``); 0: the step runs eagerly.
     """
 
     is_prefill: bool = False
@@ -91,6 +93,7 @@ class Context:
     selection: "DecodeSelection | None" = None
     windows: dict[int, WindowReads] = field(default_factory=dict)
     key_sums: torch.Tensor | None = None
+    graph_batch: int = 0
 
     @property
     def paged_only(self) -> bool:

@@ -57,6 +57,8 @@ class DecodeSelection:
             one group for the batch when the staging pages suffice.
         in_batch_order: one group whose rows are the batch's in order (its reads' outputs are the
             batch's as they are).
+        counted: the attention counts its reads (:meth:`read_tokens`); not a graph's selection
+            (:meth:`for_graphs`), whose step's selection is counted instead.
     """
 
     def __init__(self, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], choosing: list[int],
@@ -120,9 +122,73 @@ class DecodeSelection:
         self.other_rows = other_rows
         self.other_lens = to_device(other_lens, torch.int32, device)
         self.context_tokens = sum(lengths)
+        self.counted = True
         self.groups = self._plan_groups(tables, choosing, others, num_pages)
         self.in_batch_order = len(self.groups) == 1 and choosing + others == list(range(len(tables)))
         self._plans: dict[tuple[int, int], _GroupPlan] = {}
+
+    @classmethod
+    def for_graphs(cls, policy: SparsePolicy, batch: int, max_model_len: int, layout: TierRows, block_size: int,
+                   num_kv_heads: int, device: torch.device) -> "DecodeSelection":
+        """A selection of fixed shapes for decode CUDA graphs: ``batch`` rows that all choose, every
+        page in the GPU tier, candidates padded to the pages of ``max_model_len``; :meth:`load`
+        copies a step's selection into it (its tensors are the graphs' inputs). Its reads are not
+        counted (the step's own selection is, :meth:`read_tokens`)."""
+        self = cls.__new__(cls)
+        self.policy, self.layout, self.device, self.num_kv_heads = policy, layout, device, num_kv_heads
+        page = policy.page_size
+        self.page_size, self.pages_per_block = page, block_size // page
+        max_pages = cdiv(max_model_len, block_size) * self.pages_per_block
+        self.num_fixed = policy.num_fixed_pages
+        self.reads = self.num_fixed + policy.budget_pages
+        self.choosing, self.others, self.num_host_blocks = list(range(batch)), [], 0
+        self.ring_loads = [[] for _ in range(layout.num_layers)]
+        self.rows = torch.arange(batch, device=device)
+        self.phys = torch.full((batch, max_pages), -1, dtype=torch.int64, device=device)
+        self.fixed = torch.zeros(batch, self.num_fixed, dtype=torch.int64, device=device)
+        cand = torch.full((batch, max_pages - self.num_fixed), -1, dtype=torch.int64, device=device)
+        self.candidates = DecodeCandidates(self.choosing, cand, policy.sink_pages, num_kv_heads)
+        self.choose_free = torch.full((batch,), self._nothing_free, dtype=torch.int32, device=device)
+        self.other_rows = self.other_tables = None
+        self.other_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        self.context_tokens, self._choose_free, self._lengths = 0, [], []
+        self.counted = False
+        self.groups = [(self.rows, self.rows)]
+        self.in_batch_order = True
+        self._plans = {}
+        return self
+
+    @property
+    def graphable(self) -> bool:
+        """Every row chooses and every page it may read is in the GPU tier (the shape of
+        :meth:`for_graphs`)."""
+        return not self.others and not self.num_host_blocks
+
+    def fits(self, step: "DecodeSelection") -> bool:
+        """Whether :meth:`load` can take ``step`` (graphable, no more rows or pages than this one)."""
+        return (step.graphable and len(step.choosing) <= len(self.choosing)
+                and step.phys.shape[1] <= self.phys.shape[1] and step.num_fixed == self.num_fixed)
+
+    def load(self, step: "DecodeSelection") -> None:
+        """Copy ``step`` (:meth:`fits`) into this selection's tensors; the rows past ``step``'s read
+        nothing (no pages, length 0). The per-layer plans are computed from the tensors inside the
+        graphs, so none is kept here."""
+        n, width = len(step.choosing), step.phys.shape[1]
+        cand = self.candidates.pages
+        for tensor, value in ((self.phys, -1), (cand, -1), (self.fixed, 0)):
+            tensor[n:].fill_(value)
+        self.phys[:n, :width] = step.phys
+        self.phys[:n, width:] = -1
+        cand[:n, :step.candidates.pages.shape[1]] = step.candidates.pages
+        cand[:n, step.candidates.pages.shape[1]:] = -1
+        self.fixed[:n] = step.fixed
+        self.choose_free[:n] = step.choose_free
+        self.choose_free[n:] = self._nothing_free
+
+    @property
+    def _nothing_free(self) -> int:
+        """A row's unwritten tokens that make it read nothing (its length 0): all its reads'."""
+        return (self.num_fixed + self.num_picks) * self.page_size
 
     @classmethod
     def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
@@ -172,6 +238,16 @@ class DecodeSelection:
         return [(to_device(g, torch.int64, self.device),
                  to_device([choosing[s] for s in g] + (others if i == 0 else []), torch.int64, self.device))
                 for i, g in enumerate(groups)]
+
+    @property
+    def num_picks(self) -> int:
+        """Picks per choosing (row, KV head) and layer: the budget, or every candidate if fewer."""
+        return min(self.policy.budget_pages, self.candidates.pages.shape[1])
+
+    def reset_plans(self) -> None:
+        """Forget the per-layer plans kept so far (before a CUDA-graph capture, so that the
+        captured layers compute them from the graph's inputs)."""
+        self._plans.clear()
 
     def read_tokens(self, layer: int, num_picks: int) -> int:
         """Tokens the batch reads per KV head at ``layer`` when each choosing (row, head) reads

@@ -1,6 +1,6 @@
 """A step's model inputs and attention context, built from the scheduled sequences' block tables.
 
-    builder = StepInputs(block_size, device, tiered, decode_batch_sizes, max_model_len)
+    builder = StepInputs(block_size, device, tiered, decode_batch_sizes, max_model_len, windows, choosing_batch_sizes)
     ctx, input_ids, positions, sample_idx = builder.prefill(seqs)          a prefill chunk per sequence
     ctx, input_ids, positions, sample_idx = builder.decode(seqs, selection)  one token per sequence
 
@@ -25,12 +25,16 @@ class StepInputs:
     decode_batch_sizes (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode
     batches are padded so that eager and graph decode run the same shapes; None: no padding);
     max_model_len (the widest block table a padded decode batch needs); windows (each layer's
-    sliding window, None for full attention; default: one layer without)."""
+    sliding window, None for full attention; default: one layer without); choosing_batch_sizes
+    (the batch sizes of the captured graphs of decode with a choosing policy, to which a batch whose
+    selection is :attr:`~nanovllm.kvcache.selection.DecodeSelection.graphable` is padded; None:
+    none captured)."""
 
     def __init__(self, block_size: int, device: torch.device, tiered: bool, decode_batch_sizes: list[int] | None,
-                 max_model_len: int, windows: list[int | None] = (None,)):
+                 max_model_len: int, windows: list[int | None] = (None,), choosing_batch_sizes: list[int] | None = None):
         self.block_size, self.device, self.tiered = block_size, device, tiered
         self.decode_batch_sizes, self.max_model_len = decode_batch_sizes, max_model_len
+        self.choosing_batch_sizes = choosing_batch_sizes
         self.reads = ([None] if None in windows else []) + sorted({w for w in windows if w is not None})
         self.gather_window = widest_window(list(windows))  # a prefix gather covers every layer's window
 
@@ -99,23 +103,27 @@ class StepInputs:
         (``host_loads``), unless ``selection`` (a :class:`~nanovllm.kvcache.selection.DecodeSelection`,
         or None) chooses what it reads; the layers of each sliding window read only the blocks in
         it (``ctx.windows``, ``window.py``). A batch that reads only GPU-tier blocks is padded to
-        the next captured CUDA-graph size."""
+        the next captured CUDA-graph size, as is one whose selection the choosing graphs take
+        (``ctx.graph_batch``: the size; 0 when the step runs eagerly)."""
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
         slots = [self.slot(seq, len(seq) - 1) for seq in seqs]
         rows = {window: [window_row(seq.block_table, seq.host_block_table, len(seq), window, self.block_size,
                                     self.tiered) for seq in seqs] for window in self.reads}
         loads = {window: [(r, h) for r, row in enumerate(reads) for h in row.loads] for window, reads in rows.items()}
-        graphs = bool(self.decode_batch_sizes) and selection is None and not any(loads.values())  # paged only
-        pad = 0
-        if graphs:  # CUDA: the shapes of the captured graphs
-            pad = next((s for s in self.decode_batch_sizes if s >= len(seqs)), len(seqs)) - len(seqs)
-            input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
-        ctx = Context(is_prefill=False, selection=selection, slot_mapping=to_device(slots, torch.int64, self.device))
+        if selection is None:  # paged only
+            sizes = None if any(loads.values()) else self.decode_batch_sizes
+        else:
+            sizes = self.choosing_batch_sizes if selection.graphable else None
+        graph_batch = next((s for s in sizes or () if s >= len(seqs)), 0)
+        pad = graph_batch - len(seqs) if graph_batch else 0  # CUDA: the shapes of the captured graphs
+        input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+        ctx = Context(is_prefill=False, selection=selection, slot_mapping=to_device(slots, torch.int64, self.device),
+                      graph_batch=graph_batch)
         for window, reads in rows.items():
             tables, lens = [row.table for row in reads] + [[]] * pad, [row.length for row in reads] + [0] * pad
             width = max(map(len, tables))
-            if graphs:
+            if graph_batch:
                 width = max(width, window_table_width(window, self.block_size, self.max_model_len))
             block_tables = to_device(padded_rows(tables, width), torch.int32, self.device)
             context_lens = to_device(lens, torch.int32, self.device)

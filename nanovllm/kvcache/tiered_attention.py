@@ -285,7 +285,8 @@ class TieredAttention:
                                         ctx.context_lens, self.scale, return_lse=True, **self.scales(layer))
         else:
             out, lse, num_picks = self._read_pages(layer, q, selection)
-        self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
+        if selection.counted:
+            self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
         if self.host is not None:
             out, lse = self.ring.fold(layer, q, out, lse, self.scale)
             self.stats.add_comm(layer, False, len(selection.ring_loads[layer]) * self.host.layer_block_bytes,

@@ -26,6 +26,7 @@ class OraclePolicy(QuestPolicy):
 
     name = "ORACLE"
     options = tuple(option for option in QuestPolicy.options if option != "sparse_radius_weight")  # exact scores
+    choice_in_graphs = False  # it reads every candidate's keys: padded to max_model_len, too large to capture
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -112,6 +112,10 @@ class SparsePolicy:
     below describe it."""
     needs_block_metadata = False
     """The cache calls :meth:`on_pages_full`, :meth:`on_spill` and :meth:`on_load`."""
+    choice_in_graphs = True
+    """A choosing policy's :meth:`select_decode_pages` may be captured in decode CUDA graphs over
+    candidates padded to ``max_model_len`` (no host sync; temporaries that scale with the candidates'
+    metadata, not with their keys)."""
     page_size = 0
     """Tokens per page of a choosing policy (a divisor of the KV block size)."""
     sink_pages = recent_pages = budget_pages = dense_layers = 0

@@ -61,3 +61,29 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
     assert with_reuse["reused_host_pages"] > 0 and without["reused_host_pages"] == 0
     assert with_reuse["read_host_pages"] > 0 and without["reuse_rate"] is None  # counted with a reuse cache only
     assert with_reuse["loaded_host_bytes"] < without["loaded_host_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["QUEST", "STREAMING"])
+def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy):
+    """GPU-only, every sequence choosing: the steps replayed from the choosing graphs (three
+    sequences padded to 4) give the eager engine's tokens, logits (1e-4, float32) and reads."""
+    prompts = [random_prompt(n, seed=90 + n) for n in (1500, 2000, 2900)]
+    opts = dict(max_model_len=3100, device="cuda", dtype="float32", max_num_seqs=4, sparse_policy=policy,
+                sparse_sink_tokens=16, sparse_recent_tokens=64)
+    if policy == "QUEST":
+        opts["sparse_token_budget"] = 128
+    with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
+        ref_tokens, ref_logits = generate_with_logits(llm, prompts, 24)
+        ref_reads = llm.get_sparse_stats()["decode"]
+    with build_llm(qwen3_dir, enforce_eager=False, **opts) as llm:
+        graphs = llm.model_runner.graphs
+        assert sorted(graphs.choosing_graphs) == [1, 2, 4]
+        replays = []
+        replay = graphs.choosing_graphs[4].replay
+        graphs.choosing_graphs[4].replay = lambda: (replays.append(1), replay())[1]
+        tokens, logits = generate_with_logits(llm, prompts, 24)
+        reads = llm.get_sparse_stats()["decode"]
+    assert len(replays) >= 20
+    assert tokens == ref_tokens
+    assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(logits, ref_logits))
+    assert reads["read_tokens"] == ref_reads["read_tokens"] and reads["density"] < 0.5

@@ -1,0 +1,104 @@
+"""Decode with a choosing policy replayed from CUDA graphs (``nanovllm/engine/cuda_graphs.py``,
+``DecodeSelection.for_graphs``). The CPU has no CUDA graphs: here a graph's replay is stood in for
+by running the captured forward eagerly over the graph's own tensors, so that everything but the
+capture itself is tested (the batch padded to a captured size, the step's selection copied into the
+fixed-shape one with its candidates padded to ``max_model_len`` and the rows past the batch reading
+nothing, the reads counted by the cache instead of the layers). The capture runs on the GPU in
+tests/gpu/test_quest_gpu.py."""
+import pytest
+import torch
+
+from _util import build_llm, generate_with_logits, random_prompt
+from nanovllm.engine import cuda_graphs, model_runner
+from nanovllm.kvcache.cache import KVCache
+from nanovllm.kvcache.context import reset_context, set_context
+
+
+class EagerReplay:
+    """A captured graph's stand-in: its replay runs the model over the graphs' tensors."""
+
+    def __init__(self, graphs, bs: int, selection):
+        self.graphs, self.bs, self.selection = graphs, bs, selection
+
+    def replay(self):
+        g = self.graphs
+        if self.selection is not None:  # a graph recomputes the plans from its tensors at every replay
+            self.selection.reset_plans()
+        set_context(g._context(self.bs, self.selection))
+        g.outputs[:self.bs] = g.model(g.input_ids[:self.bs], g.positions[:self.bs])
+        g.replayed.append((self.bs, self.selection is not None))
+
+
+def stand_in_capture(self, bs, selection):
+    set_context(self._context(bs, selection))
+    out = self.model(self.input_ids[:bs], self.positions[:bs])  # the warm-up, as in a capture
+    if self.outputs is None:
+        self.outputs, self.replayed = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype), []
+    if selection is not None:
+        selection.reset_plans()
+    reset_context()
+    return EagerReplay(self, bs, selection)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Engines built inside the test get the decode graphs (stood in for) as on CUDA."""
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", stand_in_capture)
+    monkeypatch.setattr(model_runner, "KVCache", lambda config, layers, device, sizes: KVCache(
+        config, layers, device, cuda_graphs.captured_batch_sizes(config.max_num_seqs)))
+    setup = model_runner.ModelRunner.setup
+
+    def setup_with_graphs(self):
+        setup(self)
+        if not self.config.enforce_eager:
+            self.graphs = cuda_graphs.DecodeGraphs(self)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "setup", setup_with_graphs)
+
+
+@pytest.mark.parametrize("policy", [dict(sparse_policy="QUEST", sparse_token_budget=64),
+                                    dict(sparse_policy="STREAMING")], ids=["quest", "streaming"])
+def test_choosing_decode_from_graphs_equals_eager(qwen3_dir, cpu_graphs, policy):
+    """Three sequences (padded to the captured size 4): the replayed steps give the eager engine's
+    tokens, logits (1e-5) and counted reads."""
+    prompts = [random_prompt(n, seed=40 + n) for n in (600, 900, 1300)]
+    opts = dict(max_model_len=2048, max_num_seqs=4, sparse_sink_tokens=16, sparse_recent_tokens=32, **policy)
+    with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
+        assert llm.model_runner.graphs is None and not llm.model_runner.cache.choosing_graph_sizes
+        ref_tokens, ref_logits = generate_with_logits(llm, prompts, 8)
+        ref_reads = llm.get_sparse_stats()["decode"]
+    with build_llm(qwen3_dir, enforce_eager=False, **opts) as llm:
+        graphs = llm.model_runner.graphs
+        assert llm.model_runner.cache.choosing_graph_sizes == [1, 2, 4] and sorted(graphs.selections) == [1, 2, 4]
+        tokens, logits = generate_with_logits(llm, prompts, 8)
+        reads = llm.get_sparse_stats()["decode"]
+    assert (4, True) in graphs.replayed and not any(not choosing for _, choosing in graphs.replayed)
+    assert tokens == ref_tokens
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(logits, ref_logits))
+    assert reads["read_tokens"] == ref_reads["read_tokens"] and reads["context_tokens"] == ref_reads["context_tokens"]
+    assert reads["density"] < 0.5
+
+
+def test_a_batch_with_a_sequence_that_reads_everything_runs_eagerly(qwen3_dir, cpu_graphs):
+    """A short sequence reads all its pages (it does not choose): that batch's steps are not
+    replayed, and the tokens are the eager engine's."""
+    prompts = [random_prompt(n, seed=70 + n) for n in (100, 1300)]
+    opts = dict(max_model_len=2048, max_num_seqs=4, sparse_policy="QUEST", sparse_token_budget=64,
+                sparse_sink_tokens=16, sparse_recent_tokens=32)
+    with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
+        ref_tokens, _ = generate_with_logits(llm, prompts, 6)
+    with build_llm(qwen3_dir, enforce_eager=False, **opts) as llm:
+        graphs = llm.model_runner.graphs
+        tokens, _ = generate_with_logits(llm, prompts, 6)
+    assert not graphs.replayed and tokens == ref_tokens
+
+
+def test_no_choosing_graphs_where_no_sequence_could_choose_or_the_policy_declines(qwen3_dir, cpu_graphs):
+    """A context too short to have more candidates than the budget, and ORACLE (it reads every
+    candidate's keys to choose), get no choosing graphs."""
+    with build_llm(qwen3_dir, enforce_eager=False, max_model_len=512, sparse_policy="QUEST",
+                   sparse_token_budget=512) as llm:
+        assert llm.model_runner.cache.choosing_graph_sizes == [] and not llm.model_runner.graphs.selections
+    with build_llm(qwen3_dir, enforce_eager=False, max_model_len=2048, sparse_policy="ORACLE",
+                   sparse_token_budget=64) as llm:
+        assert llm.model_runner.cache.choosing_graph_sizes == []
