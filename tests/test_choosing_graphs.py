@@ -6,46 +6,45 @@ fixed-shape one with its candidates padded to ``max_model_len`` and the rows pas
 nothing, the reads counted by the cache instead of the layers). The capture runs on the GPU in
 tests/gpu/test_quest_gpu.py."""
 import pytest
-import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
 from nanovllm.engine import cuda_graphs, model_runner
 from nanovllm.kvcache.cache import KVCache
-from nanovllm.kvcache.context import reset_context, set_context
+from nanovllm.kvcache.context import get_context, set_context
 
 
 class EagerReplay:
-    """A captured graph's stand-in: its replay runs the model over the graphs' tensors."""
+    """A captured graph's stand-in: its replay runs the model over the graphs' tensors, the
+    selection's per-layer plans computed anew as a graph's replay computes them."""
 
     def __init__(self, graphs, bs: int, selection):
         self.graphs, self.bs, self.selection = graphs, bs, selection
 
     def replay(self):
         g = self.graphs
-        if self.selection is not None:  # a graph recomputes the plans from its tensors at every replay
+        if self.selection is not None:
             self.selection.reset_plans()
         set_context(g._context(self.bs, self.selection))
         g.outputs[:self.bs] = g.model(g.input_ids[:self.bs], g.positions[:self.bs])
         g.replayed.append((self.bs, self.selection is not None))
 
 
-def stand_in_capture(self, bs, selection):
-    set_context(self._context(bs, selection))
-    out = self.model(self.input_ids[:bs], self.positions[:bs])  # the warm-up, as in a capture
-    if self.outputs is None:
-        self.outputs, self.replayed = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype), []
-    if selection is not None:
-        selection.reset_plans()
-    reset_context()
+def stand_in_record(self, bs):
+    """``DecodeGraphs._record`` on the CPU: ``_capture`` ran the warm-up and reset the plans."""
+    selection = get_context().selection
+    assert selection is None or not selection._plans, "a capture must compute the plans inside the graph"
+    if not hasattr(self, "replayed"):
+        self.replayed = []
     return EagerReplay(self, bs, selection)
 
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    """Engines built inside the test get the decode graphs (stood in for) as on CUDA."""
-    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", stand_in_capture)
-    monkeypatch.setattr(model_runner, "KVCache", lambda config, layers, device, sizes: KVCache(
-        config, layers, device, cuda_graphs.captured_batch_sizes(config.max_num_seqs)))
+    """Engines built inside the test get the decode graphs (stood in for) as on CUDA, unless
+    built with ``enforce_eager``."""
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_record", stand_in_record)
+    monkeypatch.setattr(model_runner, "KVCache", lambda config, layers, device, sizes, graphs: KVCache(
+        config, layers, device, cuda_graphs.captured_batch_sizes(config.max_num_seqs), not config.enforce_eager))
     setup = model_runner.ModelRunner.setup
 
     def setup_with_graphs(self):
@@ -102,3 +101,20 @@ def test_no_choosing_graphs_where_no_sequence_could_choose_or_the_policy_decline
     with build_llm(qwen3_dir, enforce_eager=False, max_model_len=2048, sparse_policy="ORACLE",
                    sparse_token_budget=64) as llm:
         assert llm.model_runner.cache.choosing_graph_sizes == []
+
+
+def test_a_narrower_step_after_a_wider_one_reads_only_its_own_pages(qwen3_dir, cpu_graphs):
+    """Four long sequences, then three shorter ones on the same engine (the same graph of 4 rows):
+    what the wider steps left in the graph's tensors is not read (tokens and logits as eager)."""
+    long = [random_prompt(n, seed=20 + n) for n in (1700, 1800, 1900, 1950)]
+    short = [random_prompt(n, seed=30 + n) for n in (500, 600, 700)]
+    opts = dict(max_model_len=2048, max_num_seqs=4, sparse_policy="QUEST", sparse_token_budget=64,
+                sparse_sink_tokens=16, sparse_recent_tokens=32)
+    with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
+        ref = [generate_with_logits(llm, prompts, 6) for prompts in (long, short)]
+    with build_llm(qwen3_dir, enforce_eager=False, **opts) as llm:
+        got = [generate_with_logits(llm, prompts, 6) for prompts in (long, short)]
+        assert llm.model_runner.graphs.replayed.count((4, True)) >= 10
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
+        assert tokens == ref_tokens
+        assert all((a - b).abs().max() <= 1e-5 for a, b in zip(logits, ref_logits))

@@ -99,3 +99,37 @@ def test_layer_reads_follow_the_rules(host, policy):
         for h in range(HEADS):
             assert src[h][src[h] >= 0].tolist() == gathered[h]
         assert reads.misses.item() == reads.host_reads.item() == sum(map(len, gathered))
+
+
+def test_a_graphs_selection_loaded_with_a_narrower_step_reads_only_that_step():
+    """``DecodeSelection.for_graphs`` loaded with a wide step of 3 rows, then a narrow step of 2:
+    the live rows read what the narrow step's own selection reads, and the padded row reads
+    nothing even with picks that would be valid columns."""
+    torch.manual_seed(1)
+    policy = QuestPolicy(1.0, PAGE, 4 * PAGE, 16, 32)
+    layout = TierRows(LAYERS, 64, 0)
+    graph = DecodeSelection.for_graphs(policy, 3, 12 * BLOCK, layout, BLOCK, HEADS, torch.device("cpu"))
+
+    def step(lengths, first_block):
+        tables, block = [], first_block
+        for length in lengths:
+            blocks = -(-length // BLOCK)
+            tables.append((list(range(block, block + blocks)), [NO_BLOCK] * blocks, length))
+            block += blocks
+        return DecodeSelection.build(policy, tables, layout, 64, BLOCK, HEADS, torch.device("cpu"))
+
+    wide, narrow = step([12 * BLOCK - 3, 11 * BLOCK, 10 * BLOCK + 5], 0), step([3 * BLOCK - 9, 4 * BLOCK], 40)
+    assert wide.graphable and narrow.graphable
+    graph.load(wide)
+    graph.load(narrow)
+    num_cand = narrow.candidates.pages.shape[1]
+    for layer in range(LAYERS):
+        picks = torch.stack([torch.stack([torch.randperm(num_cand)[:policy.budget_pages] for _ in range(HEADS)])
+                             for _ in range(2)])
+        own = narrow.layer_reads(layer, picks, 0, None)
+        padded = torch.cat([picks, torch.zeros(1, HEADS, policy.budget_pages, dtype=torch.int64)])
+        reads = graph.layer_reads(layer, padded, 0, None)
+        assert torch.equal(reads.lens[:2], own.lens) and reads.lens[2] == 0
+        width = own.tables.shape[2]
+        assert torch.equal(reads.tables[:2, :, :width], own.tables) and (reads.tables[2] == -1).all()
+        graph.reset_plans()  # as a graph's replay recomputes them

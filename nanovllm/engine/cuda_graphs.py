@@ -26,7 +26,9 @@ def captured_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     """Captures the model's decode forward (not the sampler) for every size in
-    :func:`captured_batch_sizes`. ``replay`` returns hidden states ``[batch, hidden]``."""
+    :func:`captured_batch_sizes`, and the choosing decode's for the cache's
+    ``choosing_graph_sizes`` (up to ``CHOOSING_GRAPH_SEQS`` sequences; module doc). ``replay``
+    returns hidden states ``[batch, hidden]``."""
 
     def __init__(self, runner):
         cfg = runner.config
@@ -74,21 +76,26 @@ class DecodeGraphs:
             self.outputs = torch.empty(self.sizes[-1], out.size(-1), dtype=out.dtype, device=out.device)
         if selection is not None:
             selection.reset_plans()  # the captured layers compute them from the selection's tensors
+        graph = self._record(bs)
+        reset_context()
+        return graph
+
+    def _record(self, bs: int) -> torch.cuda.CUDAGraph:
+        """The forward of the first ``bs`` rows under the current context, captured."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
             self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
-        reset_context()
         return graph
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Copy the decode inputs (and the current context, its selection included) into the
         graph's buffers, replay; ``input_ids`` is padded to a captured size (``ctx.graph_batch``)."""
         bs = input_ids.size(0)
-        graph_bs = next(s for s in self.sizes if s >= bs)
         ctx = get_context()
+        graph_bs = ctx.graph_batch
         self.input_ids[:bs] = input_ids
         self.positions[:bs] = positions
         self.slot_mapping[:graph_bs].fill_(-1)

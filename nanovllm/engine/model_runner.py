@@ -62,8 +62,10 @@ class ModelRunner:
             self.step_sampler = StepSampler(self.sampler, self.generator, config.eos_token_ids, rank,
                                             broadcast=self.world_size > 1 and channel_name is None)
             cuda = self.device.type == "cuda"
+            self.captures_graphs = cuda and not config.enforce_eager
             layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            self.cache = KVCache(config, layers, self.device, captured_batch_sizes(config.max_num_seqs) if cuda else None)
+            self.cache = KVCache(config, layers, self.device, captured_batch_sizes(config.max_num_seqs) if cuda else None,
+                                 self.captures_graphs)
             self.channel = RankChannel(channel_name, rank, events) if channel_name else None
             self.setup()
         except BaseException:  # leave nothing behind, so that another engine can start
@@ -96,7 +98,7 @@ class ModelRunner:
         self.cache.stats.reset()
         self.tier_sizes = self._tier_sizes()
         self.cache.allocate(self.tier_sizes)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.captures_graphs:
             self.graphs = DecodeGraphs(self)
         self.cache.start_pinning()  # not while capturing: registering host memory would break a capture
 

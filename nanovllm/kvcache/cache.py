@@ -56,9 +56,12 @@ class KVCache:
     """Args: config; layers (the model's attention layers, in order, each declaring its
     :class:`~nanovllm.kvcache.spec.LayerKVSpec`); device; decode_batch_sizes
     (CUDA: the captured CUDA-graph batch sizes, to which paged-only decode batches are padded so
-    that eager and graph decode run the same shapes; None: no padding)."""
+    that eager and graph decode run the same shapes; None: no padding); decode_graphs (the runner
+    captures decode CUDA graphs: the choosing policy's steps get graphs of their own,
+    :attr:`choosing_graph_sizes`)."""
 
-    def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None):
+    def __init__(self, config: Config, layers: list, device: torch.device, decode_batch_sizes=None,
+                 decode_graphs: bool = False):
         self.config, self.device = config, device
         layer = layers[0]
         self.specs = [module.kv_spec(config.dtype, config.kv_storage_dtype) for module in layers]
@@ -74,7 +77,7 @@ class KVCache:
         if self.policy.chooses_decode_pages and not self.chooses:
             logger.warning("sparse_policy=%r reads every page of each layer's sliding window (choosing pages inside "
                            "a window is not supported)", config.sparse_policy)
-        self.choosing_graph_sizes = self._choosing_graph_sizes(decode_batch_sizes)
+        self.choosing_graph_sizes = self._choosing_graph_sizes(decode_batch_sizes if decode_graphs else None)
         self.inputs = StepInputs(config.kvcache_block_size, device, self.tiered, decode_batch_sizes,
                                  config.max_model_len, self.windows, self.choosing_graph_sizes)
         picks_from_host = self.tiered and self.chooses
@@ -93,12 +96,11 @@ class KVCache:
 
     def _choosing_graph_sizes(self, decode_batch_sizes: list[int] | None) -> list[int]:
         """The batch sizes whose decode with the choosing policy is captured in CUDA graphs: the
-        captured sizes up to :data:`CHOOSING_GRAPH_SEQS`, when graphs are captured, every page is in
+        captured sizes (None: no graphs) up to :data:`CHOOSING_GRAPH_SEQS`, when every page is in
         the GPU tier (no host tier), the policy allows it (``choice_in_graphs``) and a sequence of
         ``max_model_len`` tokens has more candidate pages than the budget (else none ever chooses)."""
         policy, config = self.policy, self.config
-        if not (decode_batch_sizes and self.chooses and not self.tiered and not config.enforce_eager
-                and policy.choice_in_graphs):
+        if not (decode_batch_sizes and self.chooses and not self.tiered and policy.choice_in_graphs):
             return []
         pages = cdiv(config.max_model_len, config.kvcache_block_size) * (config.kvcache_block_size // policy.page_size)
         return [s for s in decode_batch_sizes if s <= CHOOSING_GRAPH_SEQS] if policy.selects(pages) else []
@@ -333,8 +335,8 @@ class KVCache:
             self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks), selection.context_tokens)
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
-        """The batch's choosing part, when the policy chooses for some sequence (the attention
-        counts its reads)."""
+        """The batch's choosing part, when the policy chooses for some sequence (its reads are
+        counted by the attention, or for a replayed step by :meth:`prepare`)."""
         if not self.chooses:
             return None
         return DecodeSelection.build(self.policy, [(seq.block_table, seq.host_block_table, len(seq)) for seq in seqs],

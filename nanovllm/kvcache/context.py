@@ -78,8 +78,10 @@ class Context:
         key_sums: a calibration prefill (``slot_mapping`` None), float32 ``[L, Hkv, D]``: each
             layer adds its keys after RoPE, summed over the step's tokens
             (``nanovllm.kvcache.key_offset``); None in every other step.
-        graph_batch: decode, the captured CUDA-graph batch size the step is padded to and replayed
-            at (``step_inputs.py``); 0: the step runs eagerly.
+        graph_batch: decode, the captured CUDA-graph batch size the step is padded to
+            (``step_inputs.py``) and replayed at when the runner has captured graphs (with
+            ``enforce_eager`` a paged-only step is padded alike and runs eagerly: the same shapes);
+            0: not padded, eager.
     """
 
     is_prefill: bool = False

@@ -36,7 +36,8 @@ class LayerReads:
     """One layer's reads of one group of rows: int32 ``tables [G, Hkv, W]`` (page ids of the table of
     rows viewed as pages, -1 padded) and ``lens [G]`` (tokens each row reads per head), the
     gather list (int64 ``[n]`` host pages, -1: none; KV heads; destination pages) and device counts
-    of the host pages read and missed (``[]`` int64)."""
+    of the host pages read and missed (``[]`` int64); the gather list and the counts are None in a
+    step without host blocks."""
 
     __slots__ = ("tables", "lens", "src", "heads", "dst", "host_reads", "misses")
 
@@ -46,7 +47,8 @@ class LayerReads:
 
 
 class DecodeSelection:
-    """The choosing part of one decode step (module doc); built by :meth:`build`.
+    """The choosing part of one decode step (module doc); built by :meth:`build`, or of fixed
+    shapes for CUDA graphs by :meth:`for_graphs`.
 
     Attributes:
         candidates: the candidate pages of the choosing sequences.
@@ -164,21 +166,16 @@ class DecodeSelection:
         :meth:`for_graphs`)."""
         return not self.others and not self.num_host_blocks
 
-    def fits(self, step: "DecodeSelection") -> bool:
-        """Whether :meth:`load` can take ``step`` (graphable, no more rows or pages than this one)."""
-        return (step.graphable and len(step.choosing) <= len(self.choosing)
-                and step.phys.shape[1] <= self.phys.shape[1] and step.num_fixed == self.num_fixed)
-
     def load(self, step: "DecodeSelection") -> None:
-        """Copy ``step`` (:meth:`fits`) into this selection's tensors; the rows past ``step``'s read
-        nothing (no pages, length 0). The per-layer plans are computed from the tensors inside the
-        graphs, so none is kept here."""
+        """Copy ``step`` (:attr:`graphable`, of at most this selection's rows, over the same
+        ``max_model_len``) into this selection's tensors; the rows past ``step``'s read
+        nothing (no pages, length 0). The graphs recompute the per-layer plans (:meth:`_plan`) from
+        these tensors at every replay."""
         n, width = len(step.choosing), step.phys.shape[1]
         cand = self.candidates.pages
         for tensor, value in ((self.phys, -1), (cand, -1), (self.fixed, 0)):
             tensor[n:].fill_(value)
-        self.phys[:n, :width] = step.phys
-        self.phys[:n, width:] = -1
+        self.phys[:n, :width] = step.phys  # columns past it: pages no candidate or fixed page reaches
         cand[:n, :step.candidates.pages.shape[1]] = step.candidates.pages
         cand[:n, step.candidates.pages.shape[1]:] = -1
         self.fixed[:n] = step.fixed
@@ -266,7 +263,7 @@ class DecodeSelection:
         """What ``layer`` reads for the rows of ``groups[group]`` given the policy's picks (int64
         ``[S, Hkv, k]`` columns of the candidates, -1 for none), on the device (module doc). Only the
         picks' places are looked up per layer; the fixed pages', the lengths and the rows that read
-        everything are the step's (:meth:`_plan`). In a step with no host page the gather list is
+        everything are the step's (:meth:`_plan`). In a step without host blocks the gather list is
         None (nothing to gather, nothing counted)."""
         plan = self._plan(group, picks.shape[2])
         heads, num = self.num_kv_heads, plan.num
@@ -276,7 +273,7 @@ class DecodeSelection:
         valid = picks >= 0
         gpu = torch.where(valid, plan.phys.gather(1, index).view_as(picks), -1)
         gpu = torch.cat([plan.sink_gpu, gpu, plan.tail_gpu], dim=2)
-        if plan.host is None:  # every page of the group is in the GPU tier
+        if plan.host is None:  # the step has no host block
             chosen, src = torch.where(gpu >= 0, gpu + layer_page, -1), None
             dst = heads_of = host_reads = misses = None
         else:
@@ -316,16 +313,16 @@ class DecodeSelection:
 
 class _GroupPlan:
     """What every layer's reads of one group share (device tensors): its choosing rows' pages in the
-    GPU tier (``phys [num, P]``) and on the host (``host``, None when the group has no host page),
+    GPU tier (``phys [num, P]``) and on the host (``host``, None when the step has no host block),
     the places of the fixed pages before and after the picks (``sink_*``, ``tail_* [num, Hkv, n]``),
     the rows' lengths (int32, the others' after the choosing rows'), and the tables of the rows that
     read everything without the layer's offset (``other_tables [n, Hkv, W]``, -1 padded; group 0
     only, None when there are none)."""
 
     def __init__(self, selection: DecodeSelection, group: int, num_picks: int):
-        indices, batch_rows = selection.groups[group]
+        indices = selection.groups[group][0]
         heads, sink = selection.num_kv_heads, selection.policy.sink_pages
-        self.indices = None if len(selection.groups) == 1 and indices.shape[0] == len(selection.choosing) else indices
+        self.indices = None if len(selection.groups) == 1 else indices  # one group: every choosing row
         rows = selection.rows if self.indices is None else selection.rows[indices]
         fixed = selection.fixed if self.indices is None else selection.fixed[indices]
         self.num = num = fixed.shape[0]
@@ -342,7 +339,7 @@ class _GroupPlan:
             self.host = None
         reads = (fixed.shape[1] + num_picks) * selection.page_size
         choose_free = selection.choose_free if self.indices is None else selection.choose_free[indices]
-        self.lens = (reads - choose_free).to(torch.int32)
+        self.lens = (reads - choose_free).clamp_(min=0).to(torch.int32)  # a graph's padded rows: 0
         self.other_tables = None
         if group == 0 and selection.other_tables is not None:
             self.lens = torch.cat([self.lens, selection.other_lens])

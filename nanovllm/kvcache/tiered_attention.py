@@ -13,7 +13,9 @@
   groups of slots, each group folded into its rows' ``(out, lse)`` by a paged read and an LSE
   merge (``ring.py``). The loads of a step form one plan across layers, so the ring keeps loading
   the next layer's blocks while this layer computes. A batch without host
-  blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs).
+  blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs);
+  without a host tier, a batch whose every sequence chooses replays the choosing decode's own
+  graphs (``engine/cuda_graphs.py``).
 - **Decode with a choosing policy** (QUEST, STREAMING; ``selection.py``): per layer the policy
   picks pages per KV head on the device and the picks never come back to the host: the step's
   selection turns them into per-head page tables over the GPU tier's rows viewed as pages and a

@@ -204,7 +204,9 @@ class SparsePolicy:
             q: ``[S, Hq, D]``, the queries of ``candidates.rows``.
 
         Returns:
-            int64 ``[S, Hkv, k]`` on q's device, ``k <= budget_pages``: columns of
-            ``candidates.pages`` (distinct per row and head), -1 for no pick. Default: none.
+            int64 ``[S, Hkv, k]`` on q's device, ``k = min(budget_pages, C)`` (C: the candidates'
+            columns; the engine counts a step's reads and pads CUDA-graph rows by it): columns of
+            ``candidates.pages`` (distinct per row and head), -1 for no pick. Default: none (a
+            policy without picks has ``budget_pages`` 0).
         """
         return torch.empty(q.shape[0], candidates.num_kv_heads, 0, dtype=torch.int64, device=q.device)
