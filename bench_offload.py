@@ -36,14 +36,16 @@ per decode step, the longest decode step (the host's step call), the host memory
 steps that waited for pinning, the sparse statistics (with QUEST's reuse rate per layer), and on
 CUDA decode as a fraction of its bound:
 
-    time per step >= max((GPU-resident KV + weights) / HBM bandwidth,
+    time per step >= max((GPU-resident KV read + page metadata + weights) / HBM bandwidth,
                          host bytes read per decode step / pinned bandwidth)
 
 with both bandwidths measured here. FULL reads every host-resident block each step (the bound of
 host-resident KV); a policy that chooses decode pages (QUEST, STREAMING) only the (page, KV head)
 pairs it reads from the host and does not find in the reuse cache (host bytes counted as the host
-tier counts them, gathers included). The GPU side assumes every GPU-resident block is read, an
-upper bound for a choosing policy. A mode the engine refuses
+tier counts them, gathers included). On the GPU side FULL reads every GPU-resident block; a
+choosing policy reads its decode density's share of them (the density counts the reads of both
+tiers) and every used block's page metadata (QUEST's key bounds; both tiers' live on the GPU).
+A mode the engine refuses
 (e.g. GPU-only at 1M tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of
 every mode.
 """
@@ -123,9 +125,14 @@ def step_until_decoding(llm) -> list:
 
 def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_seqs: int) -> float:
     """Decode tok/s the hardware allows for this batch, tier split and host reads (module doc)."""
-    block_bytes = llm.model_runner.cache.geometry.block_bytes
+    cache = llm.model_runner.cache
     weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
-    gpu_side = (stats["gpu_blocks_used"] * block_bytes + weights) / (bw["hbm_gb_per_s"] * 1e9)
+    kv = stats["gpu_blocks_used"] * cache.geometry.block_bytes
+    if cache.policy.chooses_decode_pages:
+        density = llm.get_sparse_stats()["decode"]["density"]
+        kv = kv * (1.0 if density is None else density)
+        kv += (stats["gpu_blocks_used"] + stats["host_blocks_used"]) * cache.metadata_bytes_per_block()
+    gpu_side = (kv + weights) / (bw["hbm_gb_per_s"] * 1e9)
     host_side = host_bytes_per_step / (bw["pinned_h2d_gb_per_s"] * 1e9)
     return num_seqs / max(gpu_side, host_side)
 

@@ -289,6 +289,32 @@ def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
     assert full["sparse_policy"] == "FULL" and not set(bench_offload.SPARSE_OPTIONS) & set(full)
 
 
+def test_bench_offload_bound_counts_a_choosing_policys_reads_and_metadata(qwen3_dir):
+    """``bench_offload._decode_bound``: FULL's GPU side reads every used block; QUEST's reads its
+    decode density's share of them plus every used block's key bounds."""
+    import bench_offload
+
+    bw = {"hbm_gb_per_s": 1.0, "pinned_h2d_gb_per_s": 1.0}
+    prompt = random_prompt(900, seed=11)
+    bounds = {}
+    for policy in ("FULL", "QUEST"):
+        opts = dict(sparse_policy=policy, sparse_token_budget=64) if policy == "QUEST" else {}
+        with build_llm(qwen3_dir, **opts) as llm:
+            llm.add_request(prompt, greedy(8))
+            bench_offload.step_until_decoding(llm)
+            llm.step(), llm.step()  # two decode steps, the sequence still running
+            stats = llm.get_kv_cache_stats()
+            cache = llm.model_runner.cache
+            weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+            kv = stats["gpu_blocks_used"] * cache.geometry.block_bytes
+            density = llm.get_sparse_stats()["decode"]["density"] if policy == "QUEST" else 1.0
+            meta = (stats["gpu_blocks_used"] + stats["host_blocks_used"]) * cache.metadata_bytes_per_block()
+            assert stats["gpu_blocks_used"] > 0 and (policy == "FULL" or (0 < density < 1 and meta > 0))
+            bounds[policy] = bench_offload._decode_bound(llm, stats, 0.0, bw, 1)
+            assert bounds[policy] == pytest.approx(1e9 / (kv * density + (meta if policy == "QUEST" else 0) + weights))
+    assert bounds["QUEST"] != bounds["FULL"]
+
+
 def test_bench_selection_host_runs_the_policys_scoring_on_cpu(capsys):
     """``benchmarks/bench_selection_host.py --score``: the policy built from the benchmark's options
     (every option ``from_config`` reads) times a step with and without the reuse cache."""
