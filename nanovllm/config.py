@@ -179,7 +179,8 @@ class Config:
         sparse_sink_tokens, sparse_recent_tokens: QUEST / STREAMING: the first tokens (attention
             sinks) and the last tokens before the page being written, which every decode step reads
             (rounded up to whole pages), in [0, max_model_len].
-        sparse_dense_layers: QUEST / STREAMING: the first layers read every page, >= 0.
+        sparse_dense_layers: QUEST / STREAMING: the first layers read every page, in ``[0,
+            num_hidden_layers]``.
         sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "sum"
             (default) or "max".
         sparse_radius_weight: QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0
@@ -282,7 +283,6 @@ class Config:
         if self.num_kvcache_blocks != -1:
             check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
         check_range("seed", self.seed, SEED_MIN, SEED_MAX)
-        self._check_offload()
         self.device = _resolve_device(self.device)
         self.hf_config = load_hf_config(self.model)
         self.dtype = resolve_model_dtype(self.dtype, self.hf_config, self.device)
@@ -294,6 +294,7 @@ class Config:
                            self.max_model_len, self.hf_config.max_position_embeddings,
                            self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
+        self._check_offload()  # the sparse options' limits: max_model_len, the model's layers
         self._check_parallel()
         if self.device == "cuda":
             check_kv_cache_device(self.kv_cache_dtype, self.kv_storage_dtype, self.launch.cuda_devices)

@@ -46,14 +46,14 @@ class ChoosingPolicy(SparsePolicy):
     def check_options(cls, config) -> None:
         """``sparse_page_size`` one of :data:`PAGE_SIZES` dividing ``kvcache_block_size``;
         ``sparse_sink_tokens`` and ``sparse_recent_tokens`` in ``[0, max_model_len]``;
-        ``sparse_dense_layers`` >= 0."""
+        ``sparse_dense_layers`` in ``[0, num_hidden_layers]`` (all layers dense: FULL's reads)."""
         page = config.sparse_page_size
         if page not in PAGE_SIZES or config.kvcache_block_size % page:
             raise ValueError(f"sparse_page_size must be one of {PAGE_SIZES} and divide kvcache_block_size="
                              f"{config.kvcache_block_size}, got {page!r}")
         for name in ("sparse_sink_tokens", "sparse_recent_tokens"):
             check_range(name, getattr(config, name), 0, config.max_model_len)
-        check_range("sparse_dense_layers", config.sparse_dense_layers, 0)
+        check_range("sparse_dense_layers", config.sparse_dense_layers, 0, config.hf_config.num_hidden_layers)
 
     @classmethod
     def decode_fixed_tokens(cls, config) -> int:
