@@ -179,8 +179,7 @@ class Config:
         sparse_sink_tokens, sparse_recent_tokens: QUEST / STREAMING: the first tokens (attention
             sinks) and the last tokens before the page being written, which every decode step reads
             (rounded up to whole pages), in [0, max_model_len].
-        sparse_dense_layers: QUEST / STREAMING: the first layers read every page, in ``[0,
-            num_hidden_layers]``.
+        sparse_dense_layers: QUEST / STREAMING: the first layers read every page, 0 to num_hidden_layers.
         sparse_group_score: QUEST: how a KV head combines its query heads' page shares, "sum"
             (default) or "max".
         sparse_radius_weight: QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0
