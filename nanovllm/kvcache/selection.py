@@ -121,7 +121,6 @@ class DecodeSelection:
             self.other_tables = compact[:, :other_width]
         else:
             other_lens, other_width, self.other_tables = [], 0, None
-        self.other_rows = other_rows
         self.other_lens = to_device(other_lens, torch.int32, device)
         self.context_tokens = sum(lengths)
         self.counted = True
@@ -142,7 +141,6 @@ class DecodeSelection:
         self.page_size, self.pages_per_block = page, block_size // page
         max_pages = cdiv(max_model_len, block_size) * self.pages_per_block
         self.num_fixed = policy.num_fixed_pages
-        self.reads = self.num_fixed + policy.budget_pages
         self.choosing, self.others, self.num_host_blocks = list(range(batch)), [], 0
         self.ring_loads = [[] for _ in range(layout.num_layers)]
         self.rows = torch.arange(batch, device=device)
@@ -151,8 +149,7 @@ class DecodeSelection:
         cand = torch.full((batch, max_pages - self.num_fixed), -1, dtype=torch.int64, device=device)
         self.candidates = DecodeCandidates(self.choosing, cand, policy.sink_pages, num_kv_heads)
         self.choose_free = torch.full((batch,), self._nothing_free, dtype=torch.int32, device=device)
-        self.other_rows = self.other_tables = None
-        self.other_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        self.other_tables = None
         self.context_tokens, self._choose_free, self._lengths = 0, [], []
         self.counted = False
         self.groups = [(self.rows, self.rows)]
