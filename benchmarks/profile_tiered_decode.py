@@ -1,7 +1,7 @@
 """Where a decode step over the host tier spends its time (issue 31): the copy stream, the kernels
 and the host. Prints one JSON document.
 
-The engine and workload are ``bench_offload.py``'s ``tiered`` mode, with its arguments. After every
+The engine and workload are ``bench_offload.py``'s, in its ``--mode`` (``tiered`` by default). After every
 prefill and two decode steps, ``--steps`` decode steps are timed (wall, synchronised), profiled with
 the torch profiler (GPU time of host-to-device copies, their count and bytes, and of kernels by
 name, per step) and run under cProfile (the functions of most own host time, ms per step). A step
@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_offload import build_parser, engine_kwargs, parse_args, random_prompts, step_until_decoding, sync
+from bench_offload import MODES, build_parser, engine_kwargs, parse_args, random_prompts, step_until_decoding, sync
 from benchmarks.hardware import bandwidths
 from benchmarks.profile_decode import host_profile, per_unit, run_steps
 from nanovllm import LLM, SamplingParams
@@ -49,22 +49,25 @@ def main() -> None:
     parser = build_parser()
     parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
     parser.add_argument("--cprofile", type=int, default=25, metavar="N", help="host functions listed")
+    parser.add_argument("--mode", default="tiered", choices=MODES,
+                        help="bench_offload's mode (gpu: no host tier; a choosing decode then runs in CUDA graphs)")
     args = parse_args(parser)
     if args.decode_tokens < 3 * args.steps + 3:
         parser.error(f"--decode-tokens must be at least 3 x --steps + 3 = {3 * args.steps + 3}, "
                      f"got {args.decode_tokens}")
-    llm = LLM(args.model, **engine_kwargs(args, "tiered"))
+    llm = LLM(args.model, **engine_kwargs(args, args.mode))
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for prompt in random_prompts(args, llm.config.hf_config.vocab_size):
         llm.add_request(prompt, params)
     step_until_decoding(llm)
     run_steps(llm, 2)
     host = llm.model_runner.cache.host
-    loaded = host.loaded_bytes()
+    loaded_bytes = host.loaded_bytes if host is not None else lambda: 0
+    loaded = loaded_bytes()
     t = time.perf_counter()
     run_steps(llm, args.steps)
     wall_ms = (time.perf_counter() - t) * 1e3 / args.steps
-    host_bytes = (host.loaded_bytes() - loaded) / args.steps
+    host_bytes = (loaded_bytes() - loaded) / args.steps
     bw = bandwidths()
     report = {"device": torch.cuda.get_device_name(), **bw,
               "args": {k: v for k, v in vars(args).items() if k != "model"},

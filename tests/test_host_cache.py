@@ -152,6 +152,22 @@ def test_nothing_is_written_ahead_while_blank_gpu_blocks_come_first():
     assert bm.take_moves() == [], "the next four reused are blank: a's blocks are not written"
 
 
+def test_writes_ahead_take_only_host_blocks_that_are_ready():
+    """Write-backs ahead of reuse use only the host blocks below ``host_blocks_ready()`` (the
+    pinned ones), so that no step waits for pinning because of them; more follow as more are ready."""
+    ready = [1]
+    bm = BlockManager(4, BLOCK, num_host_blocks=8, write_ahead_blocks=4, host_blocks_ready=lambda: ready[0])
+    a = _seq(random_prompt(3 * BLOCK, seed=590))
+    prefill(bm, a)
+    bm.deallocate(a)
+    first = bm.take_moves()
+    assert [(m.host, m.ahead) for m in first] == [(0, True)], "one host block ready: one block written ahead"
+    ready[0] = 8
+    rest = bm.take_moves()
+    assert len(rest) == 2 and all(m.ahead and m.host > 0 for m in rest), "the others once host blocks are ready"
+    assert bm.take_moves() == []
+
+
 def test_writes_ahead_take_only_blank_host_blocks():
     """A write-back ahead of reuse never drops a cached prefix from the host tier."""
     bm = BlockManager(4, BLOCK, num_host_blocks=1, write_ahead_blocks=4)

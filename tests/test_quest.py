@@ -10,7 +10,9 @@ import torch
 
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, generate_with_logits, greedy, random_prompt
-from nanovllm.ops.quest_scores import box_scores, box_scores_ref, page_bounds, page_bounds_ref, page_scores, top_pages
+from nanovllm.ops import quest_scores
+from nanovllm.ops.quest_scores import (box_scores, box_scores_ref, page_bounds, page_bounds_ref, page_scores,
+                                      page_scores_ref, top_pages, top_pages_ref)
 from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
 from nanovllm.sparse.choosing import ChoosingPolicy
 
@@ -82,9 +84,9 @@ def test_box_scores_move_from_the_bound_to_the_center_with_the_radius_weight():
 
 def test_top_pages_takes_each_heads_best_and_marks_missing_picks():
     scores = torch.tensor([[[0.1, 0.9, 0.5, float("-inf")], [0.8, 0.2, 0.3, float("-inf")]]])
-    picks = top_pages(scores, 2)
-    assert picks.tolist() == [[[1, 2], [0, 2]]], "each KV head its own best pages, best first"
-    assert top_pages(scores, 4).tolist() == [[[1, 2, 0, -1], [0, 2, 1, -1]]]
+    picks = top_pages(scores, 2).sort(dim=2).values
+    assert picks.tolist() == [[[1, 2], [0, 2]]], "each KV head its own best pages"
+    assert top_pages(scores, 4).sort(dim=2).values.tolist() == [[[-1, 0, 1, 2], [-1, 0, 1, 2]]]
 
 
 @interpreted_only
@@ -107,8 +109,61 @@ def test_interpreted_page_bounds_kernel_equals_reference(dtype, heads_q, heads_k
     assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-3)
 
 
+@interpreted_only
+@pytest.mark.parametrize("combine", ["max", "sum"])
+@pytest.mark.parametrize("heads_q, heads_kv, num_pages", [(4, 2, 300), (14, 2, 37), (3, 3, 600)])
+def test_interpreted_page_scores_kernel_equals_reference(heads_q, heads_kv, num_pages, combine, monkeypatch):
+    """The one-launch scores (online softmax per query head, combined per KV head) against the
+    torch reference: GQA groups of 2, 7 (not a power of two) and 1, several tiles (of 64 bounds
+    here), pages that are not candidates and a sequence with none."""
+    monkeypatch.setattr(quest_scores, "_SCORES_TILE", 64)
+    bounds = torch.randn(3, num_pages, heads_q) * 4
+    bounds[1, num_pages // 2:] = float("-inf")
+    bounds[2] = float("-inf")
+    got, ref = page_scores(bounds, 0.3, heads_kv, combine), page_scores_ref(bounds, 0.3, heads_kv, combine)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)) and torch.isneginf(got[2]).all()
+    finite = torch.isfinite(ref)
+    assert torch.allclose(got[finite], ref[finite], rtol=1e-5, atol=1e-7)
+
+
+@interpreted_only
+@pytest.mark.parametrize("num_cols, k", [(7, 3), (300, 40), (2500, 700), (5, 9)])
+def test_interpreted_top_pages_kernel_equals_reference(num_cols, k, monkeypatch):
+    """The radix select takes the same columns as ``torch.topk`` (distinct scores; -inf for the
+    columns that are not candidates, marked -1 in both), over one tile and several (tiles of 256
+    here)."""
+    monkeypatch.setattr(quest_scores, "_TOP_MAX_TILE", 256)
+    scores = torch.randn(2, 3, num_cols)
+    scores[0, 1, num_cols // 2:] = float("-inf")  # fewer candidates than k in some rows
+    scores[1, 2, :] = -scores[1, 2, :].abs()  # negative scores only: the keys' sign handling
+    got, ref = top_pages(scores, k), top_pages_ref(scores, k)
+    assert got.shape == ref.shape == (2, 3, min(k, num_cols))
+    assert torch.equal(got.sort(dim=2).values, ref.sort(dim=2).values)
+
+
+@interpreted_only
+def test_interpreted_top_pages_kernel_takes_ties_from_the_left():
+    scores = torch.tensor([[[0.5, 2.0, 0.5, 1.0, 0.5, -0.0, 0.0]]])
+    assert top_pages(scores, 3).tolist() == [[[0, 1, 3]]]
+    assert top_pages(scores, 6).tolist() == [[[0, 1, 2, 3, 4, 6]]], "+0.0 above -0.0"
+
+
+def test_page_scores_refuse_bounds_they_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        page_scores(torch.zeros(2, 3, 4, dtype=torch.float16), 0.5, 2, "max")
+    with pytest.raises(ValueError, match="float32"):
+        page_scores(torch.zeros(3, 4), 0.5, 2, "max")
+
+
+def test_top_pages_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        top_pages(torch.zeros(2, 3), 1)
+    with pytest.raises(ValueError, match="k must be"):
+        top_pages(torch.zeros(1, 1, 4), 0)
+
+
 def test_triton_kernel_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=18)
+    run_interpreted_tests(__file__, min_passed=29)
 
 
 def _policy(**kw):

@@ -35,6 +35,7 @@ runner before the step's forward, in order.
 """
 import itertools
 import sys
+from collections.abc import Callable
 
 from nanovllm.sequence import Sequence
 from nanovllm.kvcache.block_pool import NO_BLOCK, Block, BlockPool, compute_block_hash
@@ -54,12 +55,15 @@ class BlockManager:
     of the model attends through a sliding window at most this wide, so blocks before a running
     sequence's window are released; None: blocks are held until the sequence ends);
     write_ahead_blocks (with a host tier: how many of the registered free GPU blocks the GPU tier
-    reuses next are written back ahead of their reuse, ``eviction.TierMoves.write_ahead``; 0: none)."""
+    reuses next are written back ahead of their reuse, ``eviction.TierMoves.write_ahead``; 0: none);
+    host_blocks_ready (called when those are decided: the host blocks below it can be written
+    without waiting, the host tier's pinned ones; write-backs ahead take only those; None: all)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0, placement=None,
-                 release_window: int | None = None, write_ahead_blocks: int = 0):
+                 release_window: int | None = None, write_ahead_blocks: int = 0,
+                 host_blocks_ready: Callable[[], int] | None = None):
         self.block_size, self.release_window = block_size, release_window
-        self.write_ahead_blocks = write_ahead_blocks
+        self.write_ahead_blocks, self.host_blocks_ready = write_ahead_blocks, host_blocks_ready
         self.index: dict[int, Block] = {}
         self.gpu = BlockPool("gpu", num_gpu_blocks, self.index)
         self.host = BlockPool("host", num_host_blocks, self.index)
@@ -205,8 +209,9 @@ class BlockManager:
     def take_moves(self) -> list[BlockMove]:
         """The moves between the tiers decided since the last call, in order (``eviction.py``),
         then the write-backs ahead of reuse of the next ``write_ahead_blocks`` registered free GPU
-        blocks; the model runner copies them before the next forward (the ahead ones during it)."""
-        self.tiers.write_ahead(self.write_ahead_blocks)
+        blocks (into host blocks below ``host_blocks_ready()``); the model runner copies them before the next forward (the ahead ones during it)."""
+        ready = self.host.num_blocks if self.host_blocks_ready is None else self.host_blocks_ready()
+        self.tiers.write_ahead(self.write_ahead_blocks, ready)
         return self.tiers.take()
 
     # ---- release and registration ------------------------------------------------------

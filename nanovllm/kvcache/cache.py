@@ -217,11 +217,12 @@ class KVCache:
         sliding window in every layer the widest (its running sequences release the blocks before
         it, ``block_manager.py``), and with a host tier the write-backs ahead of reuse of as many
         registered free GPU blocks as one step can take (``max_num_batched_tokens`` in blocks, and
-        a block per sequence)."""
+        a block per sequence), into host blocks already pinned (no step waits for them)."""
         block_size = self.geometry.block_size
         step_blocks = cdiv(self.config.max_num_batched_tokens, block_size) + self.config.max_num_seqs
+        ready = None if self.host is None else lambda: self.host.memory.pinned_blocks
         return BlockManager(sizes.gpu_blocks, block_size, sizes.host_blocks, release_window=self.release_window,
-                            write_ahead_blocks=step_blocks)
+                            write_ahead_blocks=step_blocks, host_blocks_ready=ready)
 
     def start_pinning(self):
         """Start pinning the host tier's memory in the background (after the CUDA graphs are

@@ -15,7 +15,7 @@ forward (``KVCache.begin_step``), in the order they were decided:
   dropped, as with no host tier.
 - **write-back ahead** (a registered free GPU block the GPU tier reuses soon, GPU -> host): decided
   with each step's moves (:meth:`TierMoves.write_ahead`) for the blocks among the next the GPU tier
-  reuses, into blank host blocks; the block stays registered in the GPU tier with a host copy, so
+  reuses, into blank host blocks already pinned (``host_memory.py``: no step waits for them); the block stays registered in the GPU tier with a host copy, so
   its write-back at reuse moves nothing. Its copy overlaps the step (an ``ahead`` move: that step's
   forward does not wait for it, the next step's does).
 - **load-back** (a host-tier prefix hit, host -> GPU): at admission, a hit that no live sequence
@@ -96,20 +96,21 @@ class TierMoves:
         self.index[src.hash] = dst
         src.unlink()
 
-    def write_ahead(self, window: int):
+    def write_ahead(self, window: int, host_ready: int):
         """Write back ahead of their reuse the registered free GPU blocks among the next ``window``
         free blocks the GPU tier reuses (blank ones first: with ``window`` blank free blocks
-        nothing is written) that have no host copy, while the host tier has blank free blocks (no
-        cached prefix is dropped for them): each gets a host copy, so that reusing it later hands
-        the registration over without a copy. The copies are ``ahead`` moves: they overlap the step
-        they are issued with."""
+        nothing is written) that have no host copy, while the host tier's next block is blank (no
+        cached prefix is dropped for it) and below ``host_ready`` (written without waiting: the host
+        memory is pinned): each gets a host copy, so that reusing it later hands the registration
+        over without a copy. The copies are ``ahead`` moves: they overlap the step they are issued
+        with."""
         if not self.host.num_blocks:
             return
         for block_id in itertools.islice(self.gpu.free, window):
             block = self.gpu.blocks[block_id]
             if block.copy is not None or not block.is_registered(self.index):
                 continue
-            if not self.host.takes_are_blank(1):
+            if not self.host.takes_are_blank(1) or self.host.peek().block_id >= host_ready:
                 break
             dst = self.host.take()
             dst.take_content(block)

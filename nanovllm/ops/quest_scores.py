@@ -12,7 +12,8 @@ that no head whose bounds are large everywhere decides for the others.
 """
 import torch
 
-from ._triton import MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2, tl, triton, use_triton
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, interpreted, next_pow2,
+                      row_tile, tl, triton, use_triton)
 
 _BLOCK_P = 64
 """Candidate pages per program of :func:`page_bounds`."""
@@ -183,6 +184,66 @@ def _box_weights(radius_weight: float) -> tuple[float, float] | None:
     return None if radius_weight == 1.0 else ((1.0 + radius_weight) / 2, (1.0 - radius_weight) / 2)
 
 
+def page_scores_ref(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str) -> torch.Tensor:
+    """Reference of :func:`page_scores` (same arguments and result), in torch."""
+    _check_scores_args(bounds, heads_kv, combine)
+    seqs, num_pages, heads_q = bounds.shape
+    # heads first, candidates contiguous: the softmax runs along the last dimension (over a middle
+    # one, CUDA's softmax runs a strided kernel many times slower)
+    logits = bounds.transpose(1, 2).clone(memory_format=torch.contiguous_format).mul_(scale)  # bounds untouched
+    shares = torch.softmax(logits, dim=2).nan_to_num_(0.0)  # a row without candidates: 0/0
+    grouped = shares.view(seqs, heads_kv, heads_q // heads_kv, num_pages)
+    score = grouped.amax(2) if combine == "max" else grouped.sum(2)
+    return score.masked_fill_(torch.isneginf(bounds[..., 0])[:, None, :], float("-inf"))
+
+
+def _check_scores_args(bounds: torch.Tensor, heads_kv: int, combine: str) -> None:
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    if bounds.dim() != 3 or bounds.dtype != torch.float32:
+        raise ValueError(f"bounds must be float32 [S, C, Hq]; got {bounds.dtype} {tuple(bounds.shape)}")
+    check_gqa(bounds.shape[2], heads_kv)
+
+
+@triton.jit(do_not_specialize=["num_pages", "stride_bs", "stride_os"])  # one variant whatever the context
+def _page_scores_kernel(bounds_ptr, out_ptr, num_pages, scale_log2, stride_bs, stride_bc, stride_os,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, SUM: tl.constexpr):
+    """Program (sequence, KV head): per query head of its group the softmax over the candidates of
+    ``scale * bounds`` (an online max and sum, base 2, in one pass), then the group's shares
+    combined (sum or max) in a second pass; -inf where a page is not a candidate."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    cols = tl.arange(0, BLOCK_C)
+    row = bounds_ptr + seq * stride_bs + (kv_head * GROUP + g)[None, :]
+    g_mask = (g < GROUP)[None, :]
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    for start in range(0, num_pages, BLOCK_C):
+        c = start + cols
+        x = tl.load(row + c[:, None] * stride_bc, mask=(c < num_pages)[:, None] & g_mask, other=float("-inf"))
+        x = x * scale_log2
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: nothing to rescale
+        total = total * tl.exp2(m - safe) + tl.sum(tl.exp2(x - safe[None, :]), axis=0)
+        m = m_new
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    inv = tl.where(total > 0, 1.0 / total, 0.0)  # a head without candidates: shares 0
+    out = out_ptr + seq * stride_os + kv_head * num_pages
+    for start in range(0, num_pages, BLOCK_C):
+        c = start + cols
+        x = tl.load(row + c[:, None] * stride_bc, mask=(c < num_pages)[:, None] & g_mask, other=float("-inf"))
+        shares = tl.exp2(x * scale_log2 - safe[None, :]) * inv[None, :]
+        shares = tl.where(g_mask, shares, 0.0)
+        score = tl.sum(shares, axis=1) if SUM else tl.max(shares, axis=1)
+        first = tl.max(tl.where(g[None, :] == 0, x, float("-inf")), axis=1)  # the group's first head
+        tl.store(out + c, tl.where(first == float("-inf"), float("-inf"), score), mask=c < num_pages)
+
+
+_SCORES_TILE = 8192
+"""Bounds per tile of :func:`_page_scores_kernel` (candidates times the GQA group, padded)."""
+
+
 def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str) -> torch.Tensor:
     """One score per (KV head, candidate page) from its query heads' bounds (module docstring).
 
@@ -195,27 +256,127 @@ def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str)
 
     Returns:
         float32 ``[S, Hkv, C]``: per query head ``softmax`` over the candidates of ``scale *
-        bounds``, combined over the GQA group; -inf where a page is not a candidate.
+        bounds``, combined over the GQA group; -inf where a page is not a candidate. ``bounds``
+        is not modified.
 
     Raises:
-        ValueError: ``combine`` not one of :data:`COMBINES`, Hq not a multiple of heads_kv.
+        ValueError: ``combine`` not one of :data:`COMBINES`, bounds not float32 ``[S, C, Hq]``,
+            Hq not a multiple of heads_kv.
+
+    CUDA: one Triton launch, a program per (sequence, KV head) (online softmax over the
+    candidates, then the combination). CPU: :func:`page_scores_ref`.
     """
-    if combine not in COMBINES:
-        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-    check_gqa(bounds.shape[2], heads_kv)
+    _check_scores_args(bounds, heads_kv, combine)
+    if not use_triton(bounds):
+        return page_scores_ref(bounds, scale, heads_kv, combine)
     seqs, num_pages, heads_q = bounds.shape
-    # heads first, candidates contiguous: the softmax runs along the last dimension (over a middle
-    # one, CUDA's softmax runs a strided kernel many times slower)
-    logits = bounds.transpose(1, 2).clone(memory_format=torch.contiguous_format).mul_(scale)  # bounds untouched
-    shares = torch.softmax(logits, dim=2).nan_to_num_(0.0)  # a row without candidates: 0/0
-    grouped = shares.view(seqs, heads_kv, heads_q // heads_kv, num_pages)
-    score = grouped.amax(2) if combine == "max" else grouped.sum(2)
-    return score.masked_fill_(torch.isneginf(bounds[..., 0])[:, None, :], float("-inf"))
+    out = torch.empty(seqs, heads_kv, num_pages, dtype=torch.float32, device=bounds.device)
+    if out.numel():
+        if bounds.stride(2) != 1:
+            bounds = bounds.contiguous()
+        group = heads_q // heads_kv
+        _page_scores_kernel[(seqs, heads_kv)](
+            bounds, out, num_pages, scale * LOG2E, bounds.stride(0), bounds.stride(1), out.stride(0),
+            GROUP=group, BLOCK_G=next_pow2(group), BLOCK_C=max(16, _SCORES_TILE // next_pow2(group)),
+            SUM=combine == "sum", num_warps=8)
+    return out
+
+
+def top_pages_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference of :func:`top_pages` (same arguments and result up to the order of the picks and
+    which of equal scores at the k-th place are taken): ``torch.topk``."""
+    _check_top_pages_args(scores, k)
+    values, columns = scores.topk(min(k, scores.shape[2]), dim=2, sorted=False)
+    return columns.masked_fill(values == float("-inf"), -1)
+
+
+def _check_top_pages_args(scores: torch.Tensor, k: int) -> None:
+    if scores.dim() != 3 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32 [S, Hkv, C]; got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+
+
+@triton.jit(do_not_specialize=["num_cols", "k"])  # one variant whatever the context and budget
+def _top_pages_kernel(scores_ptr, out_ptr, num_cols, k, BLOCK: tl.constexpr):
+    """Program (row of ``[rows, num_cols]`` float32 scores): the columns of its ``k`` largest,
+    in column order, into ``out [rows, k]`` (-1 where the score is -inf). Scores become int32 keys
+    of the same order (a negative float's magnitude bits flipped); the k-th largest key is found
+    bit by bit (32 counting passes over the row, which stays in L2), then one pass writes the
+    columns above it and the first columns equal to it (prefix sums place them)."""
+    row = tl.program_id(0).to(tl.int64)
+    scores_ptr += row * num_cols
+    out_ptr += row * k
+    cols = tl.arange(0, BLOCK)
+    lo = tl.full((), -2147483648, tl.int64)  # the k-th largest key lies in [lo, hi]: count(key >= lo) >= k
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        count = 0
+        for start in range(0, num_cols, BLOCK):
+            c = start + cols
+            bits = tl.load(scores_ptr + c, mask=c < num_cols, other=0.0).to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+            count += tl.sum(((key >= mid) & (c < num_cols)).to(tl.int32), axis=0)
+        if count >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    above = 0  # columns whose key is above the k-th largest: all taken; ties taken in column order
+    for start in range(0, num_cols, BLOCK):
+        c = start + cols
+        bits = tl.load(scores_ptr + c, mask=c < num_cols, other=0.0).to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        above += tl.sum(((key > lo) & (c < num_cols)).to(tl.int32), axis=0)
+    ties_left = k - above
+    written = 0
+    for start in range(0, num_cols, BLOCK):
+        c = start + cols
+        in_row = c < num_cols
+        value = tl.load(scores_ptr + c, mask=in_row, other=0.0)
+        bits = value.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        tie = ((key == lo) & in_row).to(tl.int32)
+        take = ((key > lo) & in_row) | ((tie != 0) & (tl.cumsum(tie, axis=0) <= ties_left))
+        place = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        column = tl.where(value == float("-inf"), -1, c.to(tl.int64))
+        tl.store(out_ptr + place, column, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        ties_left -= tl.sum(tie, axis=0)
+
+
+_TOP_MAX_TILE = 8192
+"""Most columns per tile of :func:`_top_pages_kernel`: a row of up to this many candidates is one
+tile, which its 33 passes read from L1."""
 
 
 def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Per (sequence, KV head) of ``scores`` ``[S, Hkv, C]`` (-inf: not a candidate), the columns
-    of its ``k`` best candidates as int64 ``[S, Hkv, min(k, C)]``, best first, -1 where it has
-    fewer candidates. No host sync."""
-    values, columns = scores.topk(min(k, scores.shape[2]), dim=2)
-    return columns.masked_fill(values == float("-inf"), -1)
+    of its ``k`` best candidates.
+
+    Args:
+        scores: float32 ``[S, Hkv, C]``.
+        k: picks per row, >= 1.
+
+    Returns:
+        int64 ``[S, Hkv, min(k, C)]``: the columns, in no particular order (a head's reads are
+        summed in any order), -1 for the picks of a head with fewer candidates. No host sync.
+
+    Raises:
+        ValueError: scores not float32 ``[S, Hkv, C]``, or k < 1.
+
+    CUDA: one Triton launch, a program per row (a radix select of the k-th largest score, then a
+    compaction; the columns come in ascending order, equal scores at the k-th place taken from
+    the left). CPU: :func:`top_pages_ref` (``torch.topk``).
+    """
+    _check_top_pages_args(scores, k)
+    if not use_triton(scores):
+        return top_pages_ref(scores, k)
+    seqs, heads, num_cols = scores.shape
+    picks = min(k, num_cols)
+    out = torch.empty(seqs, heads, picks, dtype=torch.int64, device=scores.device)
+    if out.numel():
+        tile = min(row_tile(num_cols, interpreted(scores)), _TOP_MAX_TILE)
+        _top_pages_kernel[(seqs * heads,)](scores.contiguous(), out, num_cols, picks, BLOCK=tile,
+                                           num_warps=8 if tile >= 2048 else 4)
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _util import build_llm, generate_with_logits, random_prompt
-from nanovllm.ops.quest_scores import box_scores, box_scores_ref
+from nanovllm.ops.quest_scores import box_scores, box_scores_ref, page_scores, page_scores_ref, top_pages, top_pages_ref
 from nanovllm.sparse.choosing import ChoosingPolicy
 
 pytestmark = pytest.mark.gpu
@@ -35,6 +35,33 @@ def test_page_bounds_kernel_equals_reference(shape, dtype, weight):
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_page_scores_kernel_equals_reference(shape, combine):
+    """3 sequences over 8,192 candidate pages (128K tokens of 16), one with a third of them
+    padding: the one-launch scores against the torch reference."""
+    heads_q, heads_kv, _ = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    bounds = torch.randn(3, 8192, heads_q, device="cuda", generator=gen) * 8
+    bounds[1, 5000:] = float("-inf")
+    got, want = page_scores(bounds, 0.088, heads_kv, combine), page_scores_ref(bounds, 0.088, heads_kv, combine)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("rows, num_cols, k", [(24, 8192, 800), (48, 2048, 200), (8, 65536, 6400), (4, 100, 300)])
+def test_top_pages_kernel_equals_topk(rows, num_cols, k):
+    """The radix select against ``torch.topk`` at decode shapes (128K and 1M tokens of 16-token
+    pages, 64-token pages, fewer candidates than k), with rows padded by -inf; distinct scores
+    (which of equal ones at the k-th place are taken is not specified)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    scores = torch.rand(rows // 4, 4, num_cols, device="cuda", generator=gen).argsort(dim=2).float()  # distinct
+    scores[0, :, num_cols // 3:] = float("-inf")
+    got, want = top_pages(scores, k), top_pages_ref(scores, k)
+    assert torch.equal(got.sort(dim=2).values, want.sort(dim=2).values)
 
 
 def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qwen3_dir, monkeypatch):
