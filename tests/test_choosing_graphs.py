@@ -118,3 +118,28 @@ def test_a_narrower_step_after_a_wider_one_reads_only_its_own_pages(qwen3_dir, c
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
         assert tokens == ref_tokens
         assert all((a - b).abs().max() <= 1e-5 for a, b in zip(logits, ref_logits))
+
+
+def test_choosing_decode_over_the_host_tier_from_graphs_equals_eager(qwen3_dir, cpu_graphs):
+    """With a host tier holding most of the KV, the replayed steps gather host pages (through the
+    reuse cache and staging pages) and give the eager engine's tokens, logits (1e-5), counted reads,
+    host bytes loaded and reuse; pages are counted on the device, replay by replay."""
+    prompts = [random_prompt(n, seed=80 + n) for n in (900, 1300, 1700)]
+    opts = dict(max_model_len=2048, max_num_seqs=4, enable_cpu_offload=True, num_kvcache_blocks=8,
+                num_cpu_kvcache_blocks=24, num_ring_slots=2, sparse_policy="QUEST", sparse_token_budget=64,
+                sparse_sink_tokens=16, sparse_recent_tokens=32)
+    stats = {}
+    for eager in (True, False):
+        with build_llm(qwen3_dir, enforce_eager=eager, **opts) as llm:
+            tokens, logits = generate_with_logits(llm, prompts, 8)
+            stats[eager] = (tokens, logits, llm.get_sparse_stats()["decode"], llm.get_kv_cache_stats())
+            graphs = llm.model_runner.graphs
+    (ref_tokens, ref_logits, ref_decode, ref_kv), (got_tokens, got_logits, decode, kv) = stats[True], stats[False]
+    assert (4, True) in graphs.replayed, "the three sequences' steps replayed, padded to 4 rows"
+    assert ref_kv["spilled_blocks"] > 0 and ref_decode["loaded_host_bytes"] > 0 and ref_decode["reuse_rate"] > 0
+    assert got_tokens == ref_tokens
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(got_logits, ref_logits))
+    for key in ("read_tokens", "context_tokens", "loaded_host_bytes", "available_host_bytes", "read_host_pages",
+                "reused_host_pages"):
+        assert decode[key] == ref_decode[key], key
+    assert kv["loaded_blocks"] == ref_kv["loaded_blocks"]

@@ -119,7 +119,7 @@ def test_a_graphs_selection_loaded_with_a_narrower_step_reads_only_that_step():
         return DecodeSelection.build(policy, tables, layout, 64, BLOCK, HEADS, torch.device("cpu"))
 
     wide, narrow = step([12 * BLOCK - 3, 11 * BLOCK, 10 * BLOCK + 5], 0), step([3 * BLOCK - 9, 4 * BLOCK], 40)
-    assert wide.graphable and narrow.graphable
+    assert wide.graphable(False) and narrow.graphable(False)
     graph.load(wide)
     graph.load(narrow)
     num_cand = narrow.candidates.pages.shape[1]

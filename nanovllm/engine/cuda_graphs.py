@@ -9,8 +9,10 @@ model with sliding windows gets, per distinct window, its own table, lengths and
 With a policy that chooses decode pages, the cache's ``choosing_graph_sizes`` get a second graph
 each: the whole choosing decode (the policy's scores and top-k, each KV head's page tables, the
 page-level reads) over a fixed-shape selection (``DecodeSelection.for_graphs``: candidates padded
-to ``max_model_len``), into which a step's selection is copied before the replay. A step whose
-every row chooses and reads only the GPU tier replays it (``ctx.graph_batch``, ``step_inputs.py``).
+to ``max_model_len``; with a host tier also the gather of host pages, the reuse cache and the
+staging pages), into which a step's selection is copied before the replay. A step whose every row
+chooses, in one group, with nothing read through the ring, replays it (``ctx.graph_batch``,
+``step_inputs.py``).
 """
 import torch
 

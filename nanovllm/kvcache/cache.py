@@ -93,14 +93,17 @@ class KVCache:
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks with a page filled by the step (the policy's metadata)
+        self._graph_selections: list[DecodeSelection] = []  # the choosing graphs' that gather host pages
 
     def _choosing_graph_sizes(self, decode_batch_sizes: list[int] | None) -> list[int]:
         """The batch sizes whose decode with the choosing policy is captured in CUDA graphs: the
-        captured sizes (None: no graphs) up to :data:`CHOOSING_GRAPH_SEQS`, when every page is in
-        the GPU tier (no host tier), the policy allows it (``choice_in_graphs``) and a sequence of
-        ``max_model_len`` tokens has more candidate pages than the budget (else none ever chooses)."""
+        captured sizes (None: no graphs) up to :data:`CHOOSING_GRAPH_SEQS`, when the policy allows
+        it (``choice_in_graphs``), reads no layer whole (with a host tier: no ring in the graph) and
+        a sequence of ``max_model_len`` tokens has more candidate pages than the budget (else none
+        ever chooses). With a host tier the graphs gather host pages too."""
         policy, config = self.policy, self.config
-        if not (decode_batch_sizes and self.chooses and not self.tiered and policy.choice_in_graphs):
+        if not (decode_batch_sizes and self.chooses and policy.choice_in_graphs
+                and not (self.tiered and policy.dense_layers)):
             return []
         pages = cdiv(config.max_model_len, config.kvcache_block_size) * (config.kvcache_block_size // policy.page_size)
         return [s for s in decode_batch_sizes if s <= CHOOSING_GRAPH_SEQS] if policy.selects(pages) else []
@@ -108,8 +111,13 @@ class KVCache:
     def graph_selection(self, batch: int) -> DecodeSelection:
         """The fixed-shape selection of the choosing graphs of ``batch`` rows
         (:meth:`DecodeSelection.for_graphs`), over the allocated cache."""
-        return DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
-                                          self.geometry.block_size, self.geometry.num_kv_heads, self.device)
+        selection = DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
+                                               self.geometry.block_size, self.geometry.num_kv_heads, self.device,
+                                               host_pages=self.tiered)
+        if self.tiered:
+            self.host.memory.pin_first_chunk()  # the captured gather's addresses (host_memory.py)
+            self._graph_selections.append(selection)
+        return selection
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
@@ -331,9 +339,13 @@ class KVCache:
             self.stats.add_reads(layer, read, tokens)
 
     def _count_selected_reads(self, selection: DecodeSelection):
-        """What each layer of a replayed choosing step reads, as its eager layers count it."""
+        """What each layer of a replayed choosing step reads, as its eager layers count it (the
+        host pages it gathers are counted on the device, :meth:`sparse_stats`)."""
+        available = 0 if self.host is None else selection.num_host_blocks * self.host.layer_block_bytes
         for layer in range(self.geometry.num_layers):
             self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks), selection.context_tokens)
+            if self.host is not None:
+                self.stats.add_comm(layer, False, 0, available)
 
     def _selection(self, seqs: list[Sequence]) -> DecodeSelection | None:
         """The batch's choosing part, when the policy chooses for some sequence (its reads are
@@ -346,7 +358,11 @@ class KVCache:
 
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:
-        """The sparse statistics."""
+        """The sparse statistics (with the host reads the choosing graphs counted on the device)."""
+        for selection in self._graph_selections:
+            counts = selection.take_host_counts()
+            for layer in range(self.geometry.num_layers):
+                self.attention.count_host_reads(layer, counts[0, layer], counts[1, layer])
         return self.stats
 
     def usage(self) -> dict:

@@ -266,6 +266,19 @@ class HostMemory:
                 self._thread.start()
         self.reserve(0)
 
+    def pin_first_chunk(self):
+        """Pin chunk 0 now, in the calling thread, before the thread starts (a no-op once it is
+        pinned): CUDA graphs that gather host pages are captured before pinning starts (a
+        registration during a capture would break it), and a kernel launch checks that the
+        addresses it is given are registered; every layer's first block lies in chunk 0."""
+        with self._lock:
+            if self._pinned or self._thread is not None:
+                return
+        for address, size in self.chunk_ranges(0):
+            self._pin(address, size)
+        with self._lock:
+            self._pinned = self._target = max(self._target, 1)
+
     def reserve(self, num_blocks: int):
         """Blocks below ``num_blocks`` are about to be written: ask for every chunk through block
         ``num_blocks + ahead_blocks``, without waiting."""

@@ -117,7 +117,7 @@ class HostTier:
                                                                  device=device) for _ in range(2))
             self.scale_block_bytes = block_size * num_kv_heads * SCALE_DTYPE.itemsize
         self.bytes_h2d = self.bytes_d2h = 0  # copies issued by the host
-        self._gathered_bytes = 0  # pages gathered by kernels: a device count
+        self._gathered_bytes = torch.zeros((), dtype=torch.int64, device=device)  # by the gather kernel, in place
         self._make_streams()
 
     def _make_streams(self):
@@ -258,8 +258,9 @@ class HostTier:
         skip) into the same head of page ``dst_pages[i]`` of ``k_pages`` / ``v_pages`` (``[pages,
         page_size, Hkv, D]``; an fp8 tier: with its scales, into ``scale_pages`` ``[pages,
         page_size, Hkv]`` each) on the compute stream, the ids never read on the host
-        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes as a device tensor. Before the
-        first spill no host page exists and no host address is pinned yet: nothing is launched."""
+        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes on the device. Before the first
+        spill no host page exists and no host address may be pinned yet: nothing is launched then
+        (a CUDA-graph capture of the gather pins the first chunk first, ``HostMemory.pin_first_chunk``)."""
         if self.memory.pinned_blocks == 0:
             return
         page = k_pages.shape[1]
@@ -267,7 +268,7 @@ class HostTier:
         src_scales = None if scale_pages is None else tuple(
             scale[layer].view(-1, page, scale.shape[3]) for scale in (self.k_host_scale, self.v_host_scale))
         gather_host_pages(k_host, v_host, src_pages, heads, k_pages, v_pages, dst_pages, src_scales, scale_pages)
-        self._gathered_bytes = self._gathered_bytes + (src_pages >= 0).sum() * self.page_head_bytes(page)
+        self._gathered_bytes.add_((src_pages >= 0).sum(), alpha=self.page_head_bytes(page))  # a graph's replays count
 
     def loaded_bytes(self) -> int:
         """Bytes read from this tier so far, copies and gathers (syncs with the device once)."""

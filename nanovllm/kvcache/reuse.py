@@ -6,7 +6,8 @@ Consecutive decode steps of a sequence tend to read many of the same pages. Each
 ``num_rows`` rows of the GPU tier (blocks of ``pages_per_block`` pages); each (row page, KV head)
 is a cell, so a KV head has ``num_rows * pages_per_block`` cells per layer and keeps its own
 pages in them. The bookkeeping lives on the device, beside the picks, and never waits for the
-host. Per layer and step (:meth:`ReuseCache.place`, torch ops, no host sync):
+host. Per layer and step (:meth:`ReuseCache.place`, torch ops, no host sync, no value of the
+step read on the host, so that CUDA graphs capture it):
 
 - a host page a head reads that one of its cells holds is a *hit*: read in place, its cell
   becomes the most recently used;
@@ -65,11 +66,12 @@ class ReuseCache:
         cells = torch.arange(self.num_cells, device=device)
         self._first_page = [(layer * layer_rows + first_row) * pages_per_block for layer in range(num_layers)]
         self._cells = cells
-        self.step = 0
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        """The decode step, a device count (a replayed CUDA graph reads it as it is then)."""
 
     def begin_step(self) -> None:
         """A decode step starts: reads from now on count as this step's."""
-        self.step += 1
+        self.step.add_(1)
 
     def cell_pages(self, layer: int) -> torch.Tensor:
         """int64 ``[cells]``: the page id of each of ``layer``'s cells in the GPU tier's table of rows
@@ -111,7 +113,7 @@ class ReuseCache:
         for table, values in ((held, torch.where(cached, host, -1)), (stamp, None)):
             padded = torch.cat([table, table.new_zeros(table.shape[0], 1)], dim=1)
             if values is None:
-                padded.scatter_(1, touched, self.step)
+                padded.scatter_(1, touched, self.step.expand(touched.shape))
             else:
                 padded.scatter_(1, torch.where(cached, cell, self.num_cells), values)
             table.copy_(padded[:, :-1])

@@ -80,6 +80,7 @@ class DecodeSelection:
         rest = [(r, h) for r, h in every if r not in chooses]
         self.ring_loads = [every if layer < policy.dense_layers else rest for layer in range(layout.num_layers)]
         self.num_host_blocks = len(every)
+        self.has_host_pages = bool(every)
         # per-step device tensors: every page's place in either tier
         width = max(len(gpu) for gpu, _, _ in tables)
         gpu_tab = to_device(padded_rows([gpu for gpu, _, _ in tables], width), torch.int64, device)
@@ -130,11 +131,13 @@ class DecodeSelection:
 
     @classmethod
     def for_graphs(cls, policy: SparsePolicy, batch: int, max_model_len: int, layout: TierRows, block_size: int,
-                   num_kv_heads: int, device: torch.device) -> "DecodeSelection":
-        """A selection of fixed shapes for decode CUDA graphs: ``batch`` rows that all choose, every
-        page in the GPU tier, candidates padded to the pages of ``max_model_len``; :meth:`load`
-        copies a step's selection into it (its tensors are the graphs' inputs). Its reads are not
-        counted (the step's own selection is, :meth:`read_tokens`)."""
+                   num_kv_heads: int, device: torch.device, host_pages: bool = False) -> "DecodeSelection":
+        """A selection of fixed shapes for decode CUDA graphs: ``batch`` rows that all choose,
+        candidates padded to the pages of ``max_model_len``, with ``host_pages`` each page in
+        either tier (the gather of host pages captured too), else every page in the GPU tier;
+        :meth:`load` copies a step's selection into it (its tensors are the graphs' inputs). Its
+        reads are not counted (the step's own selection is, :meth:`read_tokens`); its host reads
+        and misses per layer are, on the device, in :attr:`host_counts`."""
         self = cls.__new__(cls)
         self.policy, self.layout, self.device, self.num_kv_heads = policy, layout, device, num_kv_heads
         page = policy.page_size
@@ -142,9 +145,14 @@ class DecodeSelection:
         max_pages = cdiv(max_model_len, block_size) * self.pages_per_block
         self.num_fixed = policy.num_fixed_pages
         self.choosing, self.others, self.num_host_blocks = list(range(batch)), [], 0
+        self.has_host_pages = host_pages
         self.ring_loads = [[] for _ in range(layout.num_layers)]
         self.rows = torch.arange(batch, device=device)
         self.phys = torch.full((batch, max_pages), -1, dtype=torch.int64, device=device)
+        self.host_pages = torch.full((batch, max_pages), -1, dtype=torch.int64, device=device) if host_pages else None
+        self.host_counts = torch.zeros(2, layout.num_layers, dtype=torch.int64, device=device) if host_pages else None
+        """int64 ``[2, L]``: host (page, KV head) reads and misses per layer, summed over the
+        replays since :meth:`take_host_counts`."""
         self.fixed = torch.zeros(batch, self.num_fixed, dtype=torch.int64, device=device)
         cand = torch.full((batch, max_pages - self.num_fixed), -1, dtype=torch.int64, device=device)
         self.candidates = DecodeCandidates(self.choosing, cand, policy.sink_pages, num_kv_heads)
@@ -157,22 +165,26 @@ class DecodeSelection:
         self._plans = {}
         return self
 
-    @property
-    def graphable(self) -> bool:
-        """Every row chooses and every page it may read is in the GPU tier (the shape of
-        :meth:`for_graphs`)."""
-        return not self.others and not self.num_host_blocks
+    def graphable(self, host_pages: bool) -> bool:
+        """Every row chooses, in one group, nothing is read through the ring, and (unless
+        ``host_pages``: the graphs gather host pages) every page is in the GPU tier: the shape of
+        :meth:`for_graphs`."""
+        return not self.others and len(self.groups) == 1 and not any(self.ring_loads) and (
+            host_pages or not self.has_host_pages)
 
     def load(self, step: "DecodeSelection") -> None:
-        """Copy ``step`` (:attr:`graphable`, of at most this selection's rows, over the same
+        """Copy ``step`` (:meth:`graphable` for this selection, of at most its rows, over the same
         ``max_model_len``) into this selection's tensors; the rows past ``step``'s read
         nothing (no pages, length 0). The graphs recompute the per-layer plans (:meth:`_plan`) from
         these tensors at every replay."""
         n, width = len(step.choosing), step.phys.shape[1]
         cand = self.candidates.pages
-        for tensor, value in ((self.phys, -1), (cand, -1), (self.fixed, 0)):
+        pages = ((self.phys, step.phys),) if self.host_pages is None else ((self.phys, step.phys),
+                                                                           (self.host_pages, step.host_pages))
+        for tensor, value in ((cand, -1), (self.fixed, 0), *((t, -1) for t, _ in pages)):
             tensor[n:].fill_(value)
-        self.phys[:n, :width] = step.phys  # columns past it: pages no candidate or fixed page reaches
+        for tensor, source in pages:  # columns past the step's: pages no candidate or fixed page reaches
+            tensor[:n, :width] = source
         cand[:n, :step.candidates.pages.shape[1]] = step.candidates.pages
         cand[:n, step.candidates.pages.shape[1]:] = -1
         self.fixed[:n] = step.fixed
@@ -242,6 +254,18 @@ class DecodeSelection:
         """Forget the per-layer plans kept so far (before a CUDA-graph capture, so that the
         captured layers compute them from the graph's inputs)."""
         self._plans.clear()
+
+    def count_host_reads(self, layer: int, reads: "LayerReads") -> None:
+        """Add ``layer``'s host reads and misses to :attr:`host_counts` (on the device, in place:
+        a graph's replays count)."""
+        self.host_counts[0, layer] += reads.host_reads
+        self.host_counts[1, layer] += reads.misses
+
+    def take_host_counts(self) -> torch.Tensor:
+        """:attr:`host_counts` so far (a copy, on the device), which start again from 0."""
+        counts = self.host_counts.clone()
+        self.host_counts.zero_()
+        return counts
 
     def read_tokens(self, layer: int, num_picks: int) -> int:
         """Tokens the batch reads per KV head at ``layer`` when each choosing (row, head) reads
@@ -327,7 +351,7 @@ class _GroupPlan:
         fixed_gpu = self.phys.gather(1, fixed)
         self.sink_gpu, self.tail_gpu = (t[:, None, :].expand(num, heads, t.shape[1])
                                         for t in (fixed_gpu[:, :sink], fixed_gpu[:, sink:]))
-        if selection.num_host_blocks:
+        if selection.has_host_pages:
             self.host = selection.host_pages[rows]
             fixed_host = torch.where(fixed_gpu < 0, self.host.gather(1, fixed), -1)
             self.sink_host, self.tail_host = (t[:, None, :].expand(num, heads, t.shape[1])

@@ -27,7 +27,7 @@ class StepInputs:
     max_model_len (the widest block table a padded decode batch needs); windows (each layer's
     sliding window, None for full attention; default: one layer without); choosing_batch_sizes
     (the batch sizes of the captured graphs of decode with a choosing policy, to which a batch whose
-    selection is :attr:`~nanovllm.kvcache.selection.DecodeSelection.graphable` is padded; None:
+    selection is :meth:`~nanovllm.kvcache.selection.DecodeSelection.graphable` is padded; None:
     none captured)."""
 
     def __init__(self, block_size: int, device: torch.device, tiered: bool, decode_batch_sizes: list[int] | None,
@@ -114,7 +114,7 @@ class StepInputs:
         if selection is None:  # paged only
             sizes = None if any(loads.values()) else self.decode_batch_sizes
         else:
-            sizes = self.choosing_batch_sizes if selection.graphable else None
+            sizes = self.choosing_batch_sizes if selection.graphable(host_pages=self.tiered) else None
         graph_batch = next((s for s in sizes or () if s >= len(seqs)), 0)
         pad = graph_batch - len(seqs) if graph_batch else 0  # CUDA: the shapes of the captured graphs
         input_ids, positions, slots = input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad

@@ -13,9 +13,9 @@
   groups of slots, each group folded into its rows' ``(out, lse)`` by a paged read and an LSE
   merge (``ring.py``). The loads of a step form one plan across layers, so the ring keeps loading
   the next layer's blocks while this layer computes. A batch without host
-  blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs);
-  without a host tier, a batch whose every sequence chooses replays the choosing decode's own
-  graphs (``engine/cuda_graphs.py``).
+  blocks and without a choosing policy is exactly GPU-only decode (and runs in CUDA graphs); a
+  batch whose every sequence chooses (in one group, nothing through the ring) replays the
+  choosing decode's own graphs (``engine/cuda_graphs.py``), its host pages gathered inside them.
 - **Decode with a choosing policy** (QUEST, STREAMING; ``selection.py``): per layer the policy
   picks pages per KV head on the device and the picks never come back to the host: the step's
   selection turns them into per-head page tables over the GPU tier's rows viewed as pages and a
@@ -287,12 +287,13 @@ class TieredAttention:
                                         ctx.context_lens, self.scale, return_lse=True, **self.scales(layer))
         else:
             out, lse, num_picks = self._read_pages(layer, q, selection)
-        if selection.counted:
-            self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
-        if self.host is not None:
+        if self.host is not None:  # a graph's step loads nothing through the ring
             out, lse = self.ring.fold(layer, q, out, lse, self.scale)
-            self.stats.add_comm(layer, False, len(selection.ring_loads[layer]) * self.host.layer_block_bytes,
-                                selection.num_host_blocks * self.host.layer_block_bytes)
+        if selection.counted:  # a graph's step is counted by the cache
+            self.stats.add_reads(layer, selection.read_tokens(layer, num_picks), selection.context_tokens)
+            if self.host is not None:
+                self.stats.add_comm(layer, False, len(selection.ring_loads[layer]) * self.host.layer_block_bytes,
+                                    selection.num_host_blocks * self.host.layer_block_bytes)
         return out.to(q.dtype)
 
     def _read_pages(self, layer, q, selection: DecodeSelection) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -324,7 +325,15 @@ class TieredAttention:
         reads = selection.layer_reads(layer, picks, group, self.reuse)
         if self.host is not None and reads.src is not None:
             self.host.gather_pages(layer, reads.src, reads.heads, k_pages, v_pages, reads.dst, scale_pages)
-            self.stats.add_comm(layer, False, reads.misses * self.host.page_head_bytes(self.policy.page_size), 0)
-            if self.reuse is not None:
-                self.stats.add_reuse(layer, reads.host_reads - reads.misses, reads.host_reads)
+            if not selection.counted:  # a graph's: counted on the device, replay by replay
+                selection.count_host_reads(layer, reads)
+            else:
+                self.count_host_reads(layer, reads.host_reads, reads.misses)
         return reads
+
+    def count_host_reads(self, layer: int, host_reads: torch.Tensor, misses: torch.Tensor):
+        """``layer`` read ``host_reads`` host (page, KV head) pairs, ``misses`` of them gathered from
+        the host tier (0-dim device tensors): the bytes loaded and, with a reuse cache, the reuse."""
+        self.stats.add_comm(layer, False, misses * self.host.page_head_bytes(self.policy.page_size), 0)
+        if self.reuse is not None:
+            self.stats.add_reuse(layer, host_reads - misses, host_reads)

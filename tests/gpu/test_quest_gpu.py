@@ -90,15 +90,20 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
     assert with_reuse["loaded_host_bytes"] < without["loaded_host_bytes"]
 
 
+@pytest.mark.parametrize("tiers", ["gpu", "host"])
 @pytest.mark.parametrize("policy", ["QUEST", "STREAMING"])
-def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy):
-    """GPU-only, every sequence choosing: the steps replayed from the choosing graphs (three
-    sequences padded to 4) give the eager engine's tokens, logits (1e-4, float32) and reads."""
+def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy, tiers):
+    """Every sequence choosing, GPU-only and with most of the KV on the host tier (the gather of
+    host pages, the reuse cache and the staging pages captured too): the steps replayed from the
+    choosing graphs (three sequences padded to 4) give the eager engine's tokens, logits (1e-4,
+    float32), reads and host traffic."""
     prompts = [random_prompt(n, seed=90 + n) for n in (1500, 2000, 2900)]
     opts = dict(max_model_len=3100, device="cuda", dtype="float32", max_num_seqs=4, sparse_policy=policy,
                 sparse_sink_tokens=16, sparse_recent_tokens=64)
     if policy == "QUEST":
         opts["sparse_token_budget"] = 128
+    if tiers == "host":
+        opts.update(enable_cpu_offload=True, num_kvcache_blocks=12, num_cpu_kvcache_blocks=40, num_ring_slots=2)
     with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
         ref_tokens, ref_logits = generate_with_logits(llm, prompts, 24)
         ref_reads = llm.get_sparse_stats()["decode"]
@@ -114,3 +119,7 @@ def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy):
     assert tokens == ref_tokens
     assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(logits, ref_logits))
     assert reads["read_tokens"] == ref_reads["read_tokens"] and reads["density"] < 0.5
+    if tiers == "host":
+        assert ref_reads["loaded_host_bytes"] > 0
+        for key in ("loaded_host_bytes", "available_host_bytes", "read_host_pages", "reused_host_pages"):
+            assert reads[key] == ref_reads[key], key
