@@ -39,7 +39,7 @@ def test_picks_are_the_pages_with_the_most_attention_mass(combine):
             score = shares.amax(0) if combine == "max" else shares.sum(0)
             expected = score.topk(min(3, len(valid))).indices.tolist()
             got = [c for c in picks[s, h].tolist() if c >= 0]
-            assert got == expected, (s, h)
+            assert sorted(got) == sorted(expected), (s, h)
     assert (picks[1] >= 0).sum(1).tolist() == [3, 3] and picks.shape == (2, heads_kv, 3)
 
 
