@@ -1,16 +1,17 @@
 r"""How long ``LLM(...)`` takes to build with the host tier on and off; prints JSON lines.
 
-    python -m benchmarks.bench_startup --shapes qwen2.5-0.5b,llama-3.1-8b
+    python -m benchmarks.bench_startup --shapes smollm2-135m,qwen2.5-0.5b,llama-3.1-8b
 
 For each shape (a random-weight checkpoint of ``tools.random_checkpoint.SHAPES``, made once in a
 child process), three fresh processes build the engine, GPU-only, with ``enable_cpu_offload=True``,
 then GPU-only again (the first process pays the kernels' first compiles), each with
-``max_model_len=32768`` and default budgets, then greedily decode 8 tokens of a 1,999-token prompt.
-A line: ``build_s`` (the ``LLM(...)`` call), ``host_bytes_pinned`` at build and after the request,
+``max_model_len`` 32,768 (or the model's context if shorter) and default budgets, then greedily
+decode 8 tokens of a 1,999-token prompt. A line: ``build_s`` (the ``LLM(...)`` call), ``host_bytes_pinned`` at build and after the request,
 and the tokens (the same in every mode).
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,8 +20,10 @@ import time
 def build_once(path: str, mode: str) -> dict:
     from nanovllm import LLM, SamplingParams
 
+    with open(os.path.join(path, "config.json")) as f:
+        max_model_len = min(32768, json.load(f)["max_position_embeddings"])
     t = time.perf_counter()
-    llm = LLM(path, enable_cpu_offload=(mode == "tiered"), max_model_len=32768)
+    llm = LLM(path, enable_cpu_offload=(mode == "tiered"), max_model_len=max_model_len)
     build_s = time.perf_counter() - t
     at_build = llm.get_kv_cache_stats()["host_bytes_pinned"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -46,6 +46,11 @@ SHAPES = {
         intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True),
+    # SmolLM2-135M-Instruct (../shared/models.md): the README's model, for start-up times on a device without its weights
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64: 12 KiB of KV per token in bf16 (a small model over the host tier)
     "qwen2.5-0.5b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=896,
