@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
     parser.add_argument("--cprofile", type=int, default=25, metavar="N", help="host functions listed")
     parser.add_argument("--mode", default="tiered", choices=MODES,
-                        help="bench_offload's mode (gpu: no host tier; a choosing decode then runs in CUDA graphs)")
+                        help="bench_offload's mode (gpu: no host tier)")
     args = parse_args(parser)
     if args.decode_tokens < 3 * args.steps + 3:
         parser.error(f"--decode-tokens must be at least 3 x --steps + 3 = {3 * args.steps + 3}, "

@@ -240,6 +240,8 @@ class KVCache:
 
     def release(self):
         """Free both tiers (the host tier's memory unpinned)."""
+        self._take_graph_counts()  # the statistics stay readable after release
+        self._graph_selections.clear()
         if self.host is not None:  # allocated (release may follow a failed allocate)
             self.host.free_memory()
         self.attention.release()
@@ -359,11 +361,15 @@ class KVCache:
     # ---- observability -----------------------------------------------------------------
     def sparse_stats(self) -> SparseStats:
         """The sparse statistics (with the host reads the choosing graphs counted on the device)."""
+        self._take_graph_counts()
+        return self.stats
+
+    def _take_graph_counts(self):
+        """Add the host reads the choosing graphs counted on the device since the last call."""
         for selection in self._graph_selections:
             counts = selection.take_host_counts()
-            for layer in range(self.geometry.num_layers):
+            for layer in range(self.geometry.num_layers if counts is not None else 0):
                 self.attention.count_host_reads(layer, counts[0, layer], counts[1, layer])
-        return self.stats
 
     def usage(self) -> dict:
         """``loaded_blocks``: host-to-GPU reads so far (ring loads, gathers, load-backs), in blocks

@@ -274,8 +274,13 @@ class HostMemory:
         with self._lock:
             if self._pinned or self._thread is not None:
                 return
-        for address, size in self.chunk_ranges(0):
-            self._pin(address, size)
+        try:
+            for address, size in self.chunk_ranges(0):
+                self._pin(address, size)
+        except RuntimeError as err:
+            raise RuntimeError(f"cannot pin the host tier's first {self.chunk_blocks} blocks "
+                               f"({self.bytes_pinned / 2**30:.2f} of {self.capacity_bytes / 2**30:.2f} GiB pinned): "
+                               f"{err}; lower cpu_memory_utilization or num_cpu_kvcache_blocks") from err
         with self._lock:
             self._pinned = self._target = max(self._target, 1)
 

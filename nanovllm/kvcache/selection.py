@@ -153,6 +153,7 @@ class DecodeSelection:
         self.host_counts = torch.zeros(2, layout.num_layers, dtype=torch.int64, device=device) if host_pages else None
         """int64 ``[2, L]``: host (page, KV head) reads and misses per layer, summed over the
         replays since :meth:`take_host_counts`."""
+        self.loaded = False  # a step was loaded since the last take_host_counts()
         self.fixed = torch.zeros(batch, self.num_fixed, dtype=torch.int64, device=device)
         cand = torch.full((batch, max_pages - self.num_fixed), -1, dtype=torch.int64, device=device)
         self.candidates = DecodeCandidates(self.choosing, cand, policy.sink_pages, num_kv_heads)
@@ -190,6 +191,7 @@ class DecodeSelection:
         self.fixed[:n] = step.fixed
         self.choose_free[:n] = step.choose_free
         self.choose_free[n:] = self._nothing_free
+        self.loaded = True
 
     @property
     def _nothing_free(self) -> int:
@@ -261,10 +263,14 @@ class DecodeSelection:
         self.host_counts[0, layer] += reads.host_reads
         self.host_counts[1, layer] += reads.misses
 
-    def take_host_counts(self) -> torch.Tensor:
-        """:attr:`host_counts` so far (a copy, on the device), which start again from 0."""
+    def take_host_counts(self) -> torch.Tensor | None:
+        """:attr:`host_counts` so far (a copy, on the device), which start again from 0; None when
+        no step was loaded since the last call (nothing counted)."""
+        if not self.loaded:
+            return None
         counts = self.host_counts.clone()
         self.host_counts.zero_()
+        self.loaded = False
         return counts
 
     def read_tokens(self, layer: int, num_picks: int) -> int:

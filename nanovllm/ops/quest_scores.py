@@ -283,11 +283,12 @@ def page_scores(bounds: torch.Tensor, scale: float, heads_kv: int, combine: str)
 
 
 def top_pages_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Reference of :func:`top_pages` (same arguments and result up to the order of the picks and
-    which of equal scores at the k-th place are taken): ``torch.topk``."""
+    """Reference of :func:`top_pages` (same arguments and result, up to which of equal scores at the
+    k-th place are taken and where the -1 picks stand): ``torch.topk``, the columns then in
+    ascending order as the kernel writes them (the order does not depend on the padding)."""
     _check_top_pages_args(scores, k)
     values, columns = scores.topk(min(k, scores.shape[2]), dim=2, sorted=False)
-    return columns.masked_fill(values == float("-inf"), -1)
+    return columns.masked_fill(values == float("-inf"), -1).sort(dim=2).values
 
 
 def _check_top_pages_args(scores: torch.Tensor, k: int) -> None:
@@ -302,8 +303,8 @@ def _top_pages_kernel(scores_ptr, out_ptr, num_cols, k, BLOCK: tl.constexpr):
     """Program (row of ``[rows, num_cols]`` float32 scores): the columns of its ``k`` largest,
     in column order, into ``out [rows, k]`` (-1 where the score is -inf). Scores become int32 keys
     of the same order (a negative float's magnitude bits flipped); the k-th largest key is found
-    bit by bit (32 counting passes over the row, which stays in L2), then one pass writes the
-    columns above it and the first columns equal to it (prefix sums place them)."""
+    bit by bit (32 counting passes over the row), a pass counts the keys above it, and a last
+    pass writes the columns above it and the first columns equal to it (prefix sums place them)."""
     row = tl.program_id(0).to(tl.int64)
     scores_ptr += row * num_cols
     out_ptr += row * k
@@ -347,7 +348,7 @@ def _top_pages_kernel(scores_ptr, out_ptr, num_cols, k, BLOCK: tl.constexpr):
 
 _TOP_MAX_TILE = 8192
 """Most columns per tile of :func:`_top_pages_kernel`: a row of up to this many candidates is one
-tile, which its 33 passes read from L1."""
+tile, which each of its 34 passes reads again (from L1 or L2)."""
 
 
 def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
