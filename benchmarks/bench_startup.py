@@ -6,8 +6,8 @@ For each shape (a random-weight checkpoint of ``tools.random_checkpoint.SHAPES``
 child process), three fresh processes build the engine, GPU-only, with ``enable_cpu_offload=True``,
 then GPU-only again (the first process pays the kernels' first compiles), each with
 ``max_model_len`` 32,768 (or the model's context if shorter) and default budgets, then greedily
-decode 8 tokens of a 1,999-token prompt. A line: ``build_s`` (the ``LLM(...)`` call), ``host_bytes_pinned`` at build and after the request,
-and the tokens (the same in every mode).
+decode 8 tokens of a 1,999-token prompt. A line: ``build_s`` (the ``LLM(...)`` call),
+``host_bytes_pinned`` at build and after the request, and the tokens (the same in every mode).
 """
 import argparse
 import json

@@ -209,7 +209,8 @@ class BlockManager:
     def take_moves(self) -> list[BlockMove]:
         """The moves between the tiers decided since the last call, in order (``eviction.py``),
         then the write-backs ahead of reuse of the next ``write_ahead_blocks`` registered free GPU
-        blocks (into host blocks below ``host_blocks_ready()``); the model runner copies them before the next forward (the ahead ones during it)."""
+        blocks (into host blocks below ``host_blocks_ready()``); the model runner copies them before
+        the next forward (the ahead ones during it)."""
         ready = self.host.num_blocks if self.host_blocks_ready is None else self.host_blocks_ready()
         self.tiers.write_ahead(self.write_ahead_blocks, ready)
         return self.tiers.take()

@@ -93,7 +93,8 @@ class KVCache:
         self.host: HostTier | None = None
         self.num_gpu_blocks = 0
         self._completed: list[int] = []  # GPU blocks with a page filled by the step (the policy's metadata)
-        self._graph_selections: list[DecodeSelection] = []  # the choosing graphs' that gather host pages
+        self._graph_host_counts: torch.Tensor | None = None  # [2, L]: the choosing graphs' host reads, misses
+        self._graph_counts_pending = False  # a replayed step added to them since they were last taken
 
     def _choosing_graph_sizes(self, decode_batch_sizes: list[int] | None) -> list[int]:
         """The batch sizes whose decode with the choosing policy is captured in CUDA graphs: the
@@ -111,13 +112,12 @@ class KVCache:
     def graph_selection(self, batch: int) -> DecodeSelection:
         """The fixed-shape selection of the choosing graphs of ``batch`` rows
         (:meth:`DecodeSelection.for_graphs`), over the allocated cache."""
-        selection = DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
-                                               self.geometry.block_size, self.geometry.num_kv_heads, self.device,
-                                               host_pages=self.tiered)
-        if self.tiered:
+        if self.tiered and self._graph_host_counts is None:  # the graphs gather host pages
+            self._graph_host_counts = torch.zeros(2, self.geometry.num_layers, dtype=torch.int64, device=self.device)
             self.host.memory.pin_first_chunk()  # the captured gather's addresses (host_memory.py)
-            self._graph_selections.append(selection)
-        return selection
+        return DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
+                                          self.geometry.block_size, self.geometry.num_kv_heads, self.device,
+                                          host_counts=self._graph_host_counts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate=None) -> torch.Tensor:
         """Attention of one layer for the current step (see ``tiered_attention.py``)."""
@@ -241,7 +241,7 @@ class KVCache:
     def release(self):
         """Free both tiers (the host tier's memory unpinned)."""
         self._take_graph_counts()  # the statistics stay readable after release
-        self._graph_selections.clear()
+        self._graph_host_counts = None
         if self.host is not None:  # allocated (release may follow a failed allocate)
             self.host.free_memory()
         self.attention.release()
@@ -344,6 +344,7 @@ class KVCache:
         """What each layer of a replayed choosing step reads, as its eager layers count it (the
         host pages it gathers are counted on the device, :meth:`sparse_stats`)."""
         available = 0 if self.host is None else selection.num_host_blocks * self.host.layer_block_bytes
+        self._graph_counts_pending = self.host is not None
         for layer in range(self.geometry.num_layers):
             self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks), selection.context_tokens)
             if self.host is not None:
@@ -366,10 +367,13 @@ class KVCache:
 
     def _take_graph_counts(self):
         """Add the host reads the choosing graphs counted on the device since the last call."""
-        for selection in self._graph_selections:
-            counts = selection.take_host_counts()
-            for layer in range(self.geometry.num_layers if counts is not None else 0):
-                self.attention.count_host_reads(layer, counts[0, layer], counts[1, layer])
+        if not self._graph_counts_pending:
+            return
+        counts = self._graph_host_counts.clone()
+        self._graph_host_counts.zero_()
+        self._graph_counts_pending = False
+        for layer in range(self.geometry.num_layers):
+            self.attention.count_host_reads(layer, counts[0, layer], counts[1, layer])
 
     def usage(self) -> dict:
         """``loaded_blocks``: host-to-GPU reads so far (ring loads, gathers, load-backs), in blocks

@@ -15,9 +15,10 @@ forward (``KVCache.begin_step``), in the order they were decided:
   dropped, as with no host tier.
 - **write-back ahead** (a registered free GPU block the GPU tier reuses soon, GPU -> host): decided
   with each step's moves (:meth:`TierMoves.write_ahead`) for the blocks among the next the GPU tier
-  reuses, into blank host blocks already pinned (``host_memory.py``: no step waits for them); the block stays registered in the GPU tier with a host copy, so
-  its write-back at reuse moves nothing. Its copy overlaps the step (an ``ahead`` move: that step's
-  forward does not wait for it, the next step's does).
+  reuses, into blank host blocks already pinned (``host_memory.py``: no step waits for them); the
+  block stays registered in the GPU tier with a host copy, so its write-back at reuse moves nothing.
+  Its copy overlaps the step (an ``ahead`` move: that step's forward does not wait for it, the next
+  step's does).
 - **load-back** (a host-tier prefix hit, host -> GPU): at admission, a hit that no live sequence
   holds is copied to a GPU block (``BlockManager.allocate`` says when) and the hash registered
   there; the host block stays, free, as its *host copy* (``block_pool.py``), so the block spills

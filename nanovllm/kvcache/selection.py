@@ -131,13 +131,15 @@ class DecodeSelection:
 
     @classmethod
     def for_graphs(cls, policy: SparsePolicy, batch: int, max_model_len: int, layout: TierRows, block_size: int,
-                   num_kv_heads: int, device: torch.device, host_pages: bool = False) -> "DecodeSelection":
+                   num_kv_heads: int, device: torch.device,
+                   host_counts: torch.Tensor | None = None) -> "DecodeSelection":
         """A selection of fixed shapes for decode CUDA graphs: ``batch`` rows that all choose,
-        candidates padded to the pages of ``max_model_len``, with ``host_pages`` each page in
-        either tier (the gather of host pages captured too), else every page in the GPU tier;
-        :meth:`load` copies a step's selection into it (its tensors are the graphs' inputs). Its
-        reads are not counted (the step's own selection is, :meth:`read_tokens`); its host reads
-        and misses per layer are, on the device, in :attr:`host_counts`."""
+        candidates padded to the pages of ``max_model_len``; :meth:`load` copies a step's
+        selection into it (its tensors are the graphs' inputs). Its reads are not counted (the
+        step's own selection is, :meth:`read_tokens`). With ``host_counts`` (int64 ``[2, L]`` on the
+        device, which the graphs' layers add their host (page, KV head) reads and misses to, in
+        place: :meth:`count_host_reads`) each page is in either tier and the gather of host pages
+        is captured too; without, every page is in the GPU tier."""
         self = cls.__new__(cls)
         self.policy, self.layout, self.device, self.num_kv_heads = policy, layout, device, num_kv_heads
         page = policy.page_size
@@ -145,15 +147,13 @@ class DecodeSelection:
         max_pages = cdiv(max_model_len, block_size) * self.pages_per_block
         self.num_fixed = policy.num_fixed_pages
         self.choosing, self.others, self.num_host_blocks = list(range(batch)), [], 0
-        self.has_host_pages = host_pages
+        self.has_host_pages = host_counts is not None
+        self.host_counts = host_counts
         self.ring_loads = [[] for _ in range(layout.num_layers)]
         self.rows = torch.arange(batch, device=device)
         self.phys = torch.full((batch, max_pages), -1, dtype=torch.int64, device=device)
-        self.host_pages = torch.full((batch, max_pages), -1, dtype=torch.int64, device=device) if host_pages else None
-        self.host_counts = torch.zeros(2, layout.num_layers, dtype=torch.int64, device=device) if host_pages else None
-        """int64 ``[2, L]``: host (page, KV head) reads and misses per layer, summed over the
-        replays since :meth:`take_host_counts`."""
-        self.loaded = False  # a step was loaded since the last take_host_counts()
+        self.host_pages = (torch.full((batch, max_pages), -1, dtype=torch.int64, device=device)
+                           if self.has_host_pages else None)
         self.fixed = torch.zeros(batch, self.num_fixed, dtype=torch.int64, device=device)
         cand = torch.full((batch, max_pages - self.num_fixed), -1, dtype=torch.int64, device=device)
         self.candidates = DecodeCandidates(self.choosing, cand, policy.sink_pages, num_kv_heads)
@@ -191,7 +191,6 @@ class DecodeSelection:
         self.fixed[:n] = step.fixed
         self.choose_free[:n] = step.choose_free
         self.choose_free[n:] = self._nothing_free
-        self.loaded = True
 
     @property
     def _nothing_free(self) -> int:
@@ -258,20 +257,10 @@ class DecodeSelection:
         self._plans.clear()
 
     def count_host_reads(self, layer: int, reads: "LayerReads") -> None:
-        """Add ``layer``'s host reads and misses to :attr:`host_counts` (on the device, in place:
-        a graph's replays count)."""
+        """Add ``layer``'s host reads and misses to a graph selection's ``host_counts`` (on the
+        device, in place: a graph's replays count)."""
         self.host_counts[0, layer] += reads.host_reads
         self.host_counts[1, layer] += reads.misses
-
-    def take_host_counts(self) -> torch.Tensor | None:
-        """:attr:`host_counts` so far (a copy, on the device), which start again from 0; None when
-        no step was loaded since the last call (nothing counted)."""
-        if not self.loaded:
-            return None
-        counts = self.host_counts.clone()
-        self.host_counts.zero_()
-        self.loaded = False
-        return counts
 
     def read_tokens(self, layer: int, num_picks: int) -> int:
         """Tokens the batch reads per KV head at ``layer`` when each choosing (row, head) reads
