@@ -644,6 +644,23 @@ def test_chat_template_kwargs_reach_the_template(llm):
     assert llm.is_finished()
 
 
+@pytest.mark.parametrize("template,shown", [
+    ("{{ bad syntax", r"chat_template failed: TemplateSyntaxError"),
+    ("{{ raise_exception('no system role') }}", r"chat_template failed: TemplateError: no system role"),
+])
+def test_chat_broken_template_is_a_value_error(llm, template, shown):
+    with pytest.raises(ValueError, match=shown):
+        llm.chat([{"role": "user", "content": "a"}], greedy(2), chat_template=template, use_tqdm=False)
+    assert llm.chat([{"role": "user", "content": "a"}], greedy(2), chat_template=TEMPLATE, use_tqdm=False)[0].finished
+
+
+def test_chat_too_long_conversation_is_named(llm):
+    long = [{"role": "user", "content": "akpy " * llm.llm_engine.config.max_model_len}]
+    with pytest.raises(ValueError, match=r"^messages\[1\] has \d+ tokens, more than max_model_len="):
+        llm.chat([[{"role": "user", "content": "a"}], long], greedy(2), chat_template=TEMPLATE, use_tqdm=False)
+    assert llm.is_finished()
+
+
 def test_chat_without_a_template(llm):
     with pytest.raises(ValueError, match=r"chat_template"):
         llm.chat([{"role": "user", "content": "a"}], greedy(2), use_tqdm=False)

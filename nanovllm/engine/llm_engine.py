@@ -282,17 +282,19 @@ class LLMEngine(EngineStats):
             text = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
                                continue_final_message, tools, extra)
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, label="messages")
 
-    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        """Validate everything, then run the requests here or split them across the replicas."""
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool,
+                  label: str = "prompts") -> list[RequestOutput]:
+        """Validate everything, then run the requests here or split them across the replicas.
+        ``label``: the caller's argument, named in errors (``prompts[i]``, ``messages[i]``)."""
         self._check_idle()
         if not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._checks.params_per_prompt(sampling_params, len(prompts))
-        prompts = [Prompt(p.text, self._checks.token_ids(p, f"prompts[{i}]", sp.truncate_prompt_tokens))
+        prompts = [Prompt(p.text, self._checks.token_ids(p, f"{label}[{i}]", sp.truncate_prompt_tokens))
                    for i, (p, sp) in enumerate(zip(prompts, params))]
         if self._replicas is None:
             return self._run_requests(prompts, params, use_tqdm)

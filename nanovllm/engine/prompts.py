@@ -2,6 +2,8 @@
 checked and brought to one form before anything is tokenized or queued."""
 from typing import NamedTuple
 
+from jinja2 import TemplateError
+
 from nanovllm.utils.checks import check_bool, is_integer
 
 PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [ids]}"
@@ -161,15 +163,21 @@ def render_chat(tokenizer, conversation: list[dict], chat_template, add_generati
     """One conversation through the chat template (transformers' ``apply_chat_template``) as text.
 
     Raises:
-        ValueError: the tokenizer has no chat template and none is given (transformers' error).
+        ValueError: the tokenizer has no chat template and none is given (transformers' error), or
+            the template does not parse or fails to render (jinja2's message, with the template's
+            source named).
     """
     kwargs = dict(extra)
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools is not None:
         kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    try:
+        return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    except TemplateError as error:
+        source = "chat_template" if chat_template is not None else "the tokenizer's chat template"
+        raise ValueError(f"{source} failed: {type(error).__name__}: {error}") from error
 
 
 CHAT_ARGUMENTS = ("conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",

@@ -118,18 +118,22 @@ def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, num_h
 def check_capacity(config: Config, geometry: KVGeometry, sizes: TierSizes) -> None:
     """Raises RuntimeError (with the numbers) unless the tiers hold one ``max_model_len``
     sequence, and with a host tier, unless the GPU tier holds a sequence's first block and the
-    block it writes."""
+    block it writes (ValueError when ``num_kvcache_blocks`` set it below that)."""
     block = geometry.block_size
     capacity = (sizes.gpu_blocks + sizes.host_blocks) * block
     if capacity < config.max_model_len:
         raise RuntimeError(
             f"the KV cache holds {sizes.gpu_blocks} GPU + {sizes.host_blocks} host blocks x {block} = {capacity} "
             f"tokens, fewer than max_model_len={config.max_model_len}: not enough memory for one sequence "
-            f"(block = {geometry.block_bytes} bytes); lower max_model_len or give more memory")
+            f"(block = {geometry.block_bytes} bytes); lower max_model_len, raise num_kvcache_blocks or "
+            f"gpu_memory_utilization, or set enable_cpu_offload=True for a host tier")
     if config.enable_cpu_offload and not sizes.host_blocks:
         raise RuntimeError(f"the host tier holds 0 blocks of {geometry.block_bytes} bytes: cpu_memory_utilization="
                            f"{config.cpu_memory_utilization} of this host's available memory is less than one block "
                            f"per rank; raise it, set num_cpu_kvcache_blocks, or turn enable_cpu_offload off")
     if sizes.host_blocks and sizes.gpu_blocks < 2:
-        raise RuntimeError(f"the GPU tier has {sizes.gpu_blocks} blocks; with a host tier it needs at least 2 "
-                           f"(a sequence's first block and the block it writes)")
+        if config.num_kvcache_blocks > 0:
+            raise ValueError(f"num_kvcache_blocks must be >= 2 with enable_cpu_offload=True (the GPU tier holds a "
+                             f"sequence's first block and the block it writes), got {config.num_kvcache_blocks}")
+        raise RuntimeError(f"the GPU tier has {sizes.gpu_blocks} block(s); with a host tier it needs at least 2 "
+                           f"(a sequence's first block and the block it writes): raise gpu_memory_utilization")
