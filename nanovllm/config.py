@@ -151,6 +151,9 @@ class Config:
             otherwise: ``nanovllm.utils.dtypes.check_kv_cache_device``).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator; None (vLLM's default): 0.
+        max_logprobs: most top-k log-probabilities a request may ask for (``logprobs`` and
+            ``prompt_logprobs``; ``-1`` asks for the whole vocabulary), vLLM's option and default
+            (20); -1: no limit.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
             are spilled to pinned host memory and read back through a GPU ring buffer of
             ``num_ring_slots`` slots; freed prefix-cache blocks the GPU tier reuses are written
@@ -229,6 +232,7 @@ class Config:
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int | None = 0
+    max_logprobs: int = 20
     enable_cpu_offload: bool = False
     num_ring_slots: int | None = None
     num_gpu_blocks: int | None = None  # deprecated name of num_ring_slots
@@ -282,6 +286,7 @@ class Config:
         if self.num_kvcache_blocks != -1:
             check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
         check_range("seed", self.seed, SEED_MIN, SEED_MAX)
+        check_range("max_logprobs", self.max_logprobs, -1)
         self.device = _resolve_device(self.device)
         self.hf_config = load_hf_config(self.model)
         self.dtype = resolve_model_dtype(self.dtype, self.hf_config, self.device)

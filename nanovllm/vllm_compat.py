@@ -97,7 +97,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "model_impl": _arg(_one_of("auto", "vllm"), "'auto', 'vllm' (the engine's own implementation)",
                        "the model runs nanovllm's own code"),
     "override_attention_dtype": _arg(_empty, _NONE, "attention runs in the model's dtype"),
-    "max_logprobs": _arg(lambda v: is_integer(v) and v >= -1, "an integer >= -1 (no-op: no limit here)", ""),
     "logprobs_mode": _arg(_one_of("raw_logprobs"), "'raw_logprobs'",
                           "logprobs are the model's raw distribution (before penalties and temperature)"),
     "generation_config": _arg(_one_of("auto", "vllm"), "'auto', 'vllm'",
@@ -262,7 +261,7 @@ class ModelConfig:
         max_model_len: longest prompt + output in tokens (int).
         dtype: the torch dtype the model runs in; seed: the engine's sampling seed (int).
         hf_config: the model's transformers ``PretrainedConfig`` (also ``hf_text_config``).
-        max_logprobs: -1 (no limit on the top-k logprobs a request asks for).
+        max_logprobs: the most top-k logprobs a request may ask for (-1: no limit).
     """
 
     model: str
@@ -274,7 +273,7 @@ class ModelConfig:
     trust_remote_code: bool
     tokenizer_mode: str = "auto"
     runner_type: str = "generate"
-    max_logprobs: int = -1
+    max_logprobs: int = 20
     served_model_name: str | None = None
 
     @property

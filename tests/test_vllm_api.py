@@ -21,7 +21,8 @@ from _util import (ARCHS, ENGINE_DEFAULTS, LOGPROB_TOL as TOL, VOCAB_SIZE, build
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    engine = build_llm(qwen3_dir, num_kvcache_blocks=16, max_num_batched_tokens=512)
+    # max_logprobs=-1: requests may ask for the whole vocabulary (logprobs=-1), as in vLLM
+    engine = build_llm(qwen3_dir, num_kvcache_blocks=16, max_num_batched_tokens=512, max_logprobs=-1)
     yield engine
     engine.shutdown()
 

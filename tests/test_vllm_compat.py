@@ -29,7 +29,7 @@ VLLM_DEFAULTS = dict(
     code_revision=None, config_format="auto", enable_prompt_embeds=False, load_format="auto",
     safetensors_load_strategy="lazy", model_loader_extra_config={}, ignore_patterns=None, use_tqdm_on_load=True,
     pt_load_map_location="cpu", quantization=None, hf_token=None, hf_overrides={}, rope_scaling={}, rope_theta=None,
-    model_impl="auto", override_attention_dtype=None, max_logprobs=20, logprobs_mode="raw_logprobs",
+    model_impl="auto", override_attention_dtype=None, logprobs_mode="raw_logprobs",
     generation_config="auto", override_generation_config={}, logits_processor_pattern=None, logits_processors=None,
     io_processor_plugin=None, pooler_config=None, override_pooler_config=None, disable_sliding_window=False,
     disable_cascade_attn=False, enable_sleep_mode=False, enable_return_routed_experts=False, reasoning_parser="",
@@ -83,13 +83,29 @@ def test_every_vllm_default_is_accepted():
 
 def test_vllm_defaults_of_config_fields_mean_the_engines(qwen3_dir):
     with build_llm(qwen3_dir, max_model_len=None, max_num_seqs=None, max_num_batched_tokens=None, seed=None,
-                   enable_prefix_caching=None, kv_cache_dtype="auto", **VLLM_DEFAULTS) as llm:
+                   enable_prefix_caching=None, kv_cache_dtype="auto", max_logprobs=20, **VLLM_DEFAULTS) as llm:
         config = llm.config
         assert (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.seed,
                 config.enable_prefix_caching) == (4096, 512, 16384, 0, True)  # None max_model_len: the model's
         assert config.kv_storage_dtype == config.dtype, "vLLM's kv_cache_dtype='auto': the model's dtype"
         assert llm.llm_engine.model_config.max_model_len == 4096
+        assert llm.llm_engine.model_config.max_logprobs == 20
         _serves(llm)
+
+
+def test_max_logprobs_limits_requests_as_vllm_does(llm, qwen3_dir):
+    """vLLM's max_logprobs (default 20) refuses a request for more top-k logprobs; -1 lifts it."""
+    prompt = random_prompt(12, seed=7)
+    for field, k, asked in (("logprobs", 21, 21), ("prompt_logprobs", 50, 50), ("logprobs", -1, None)):
+        with pytest.raises(ValueError, match=rf"sampling_params: {field}={k} asks for {asked or ''}.*max_logprobs=20"):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **{field: k}), use_tqdm=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logprobs=20), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 20
+    with pytest.raises(ValueError, match=r"max_logprobs must be >= -1, got -2"):
+        build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16, max_logprobs=-2)
+    with build_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16, max_logprobs=-1) as unlimited:
+        out = unlimited.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logprobs=50), use_tqdm=False)[0]
+        assert len(out.outputs[0].logprobs[0]) >= 50
 
 
 @pytest.mark.parametrize("name, value, shown", [

@@ -106,10 +106,12 @@ class LLMEngine(EngineStats):
         except BaseException:
             self._finalizer()
             raise
-        self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity)
+        self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity,
+                                     config.max_logprobs)
         self._model_config = ModelConfig(
             model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=config.max_model_len,
-            dtype=config.dtype, seed=config.seed, hf_config=config.hf_config, trust_remote_code=config.trust_remote_code)
+            dtype=config.dtype, seed=config.seed, hf_config=config.hf_config, trust_remote_code=config.trust_remote_code,
+            max_logprobs=config.max_logprobs)
 
     def _make_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.model_runner.cache.block_manager(self.model_runner.tier_sizes))

@@ -8,11 +8,13 @@ from nanovllm.utils.checks import is_integer
 
 class RequestChecker:
     """Args: the tokenizer; vocab_size; max_model_len; kv_capacity (tokens both KV tiers hold,
-    the smallest over the data-parallel replicas)."""
+    the smallest over the data-parallel replicas); max_logprobs (the most logprobs a request may
+    ask for, -1: no limit)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_capacity: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_capacity: int, max_logprobs: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.kv_capacity = max_model_len, kv_capacity
+        self.max_logprobs = max_logprobs
 
     def token_ids(self, prompt: Prompt, name: str = "prompt", truncate: int | None = None) -> list[int]:
         """The prompt's token ids (its text tokenized when it has none), checked; errors start
@@ -55,7 +57,7 @@ class RequestChecker:
 
         Raises:
             ValueError: not a SamplingParams; a bad field; stop ids or logprobs beyond the
-                vocabulary (each naming ``name``).
+                vocabulary, or more logprobs than ``max_logprobs`` (each naming ``name``).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{name} must be a SamplingParams, got {type(params).__name__}")
@@ -77,6 +79,10 @@ class RequestChecker:
             k = getattr(params, field)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}: {field}={k} is more than the vocabulary's {self.vocab_size} tokens")
+            asked = self.vocab_size if k == -1 else k
+            if k is not None and self.max_logprobs != -1 and asked > self.max_logprobs:
+                raise ValueError(f"{name}: {field}={k} asks for {asked} logprobs, more than max_logprobs="
+                                 f"{self.max_logprobs} (raise LLM(max_logprobs=...); -1: no limit)")
         return params
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
