@@ -10,8 +10,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
-from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, choosing_policy_names,
-                             policy_class, registered_policies)
+from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, check_unused_options,
+                             choosing_policy_names, policy_class)
 from nanovllm.utils.checks import check_bool, check_range, is_integer
 from nanovllm.utils.dtypes import check_kv_cache_device, resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
@@ -151,9 +151,8 @@ class Config:
             otherwise: ``nanovllm.utils.dtypes.check_kv_cache_device``).
         device: "auto" (cuda if available else cpu) | "cuda" | "cpu".
         seed: seed of the engine's sampling generator; None (vLLM's default): 0.
-        max_logprobs: most top-k log-probabilities a request may ask for (``logprobs`` and
-            ``prompt_logprobs``; ``-1`` asks for the whole vocabulary), vLLM's option and default
-            (20); -1: no limit.
+        max_logprobs: most top-k logprobs a request may ask for (``logprobs``, ``prompt_logprobs``;
+            their -1 is the vocabulary), vLLM's option and default (20); -1: no limit.
         enable_cpu_offload: turn on the host tier of the KV cache: blocks the GPU tier cannot hold
             are spilled to pinned host memory and read back through a GPU ring buffer of
             ``num_ring_slots`` slots; freed prefix-cache blocks the GPU tier reuses are written
@@ -347,7 +346,7 @@ class Config:
             self.sparse_token_budget = self.sparse_topk_blocks * self.kvcache_block_size
             self.sparse_topk_blocks = None
         policy_class(self.sparse_policy).check_options(self)  # another policy's options must keep their defaults:
-        self._check_unused_sparse_options()
+        check_unused_options(self, FIELD_DEFAULTS)
         if self.num_reuse_cache_blocks != -1:
             check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
         if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
@@ -356,22 +355,6 @@ class Config:
             raise ValueError(f"num_reuse_cache_blocks={self.num_reuse_cache_blocks} needs enable_cpu_offload=True "
                              f"and sparse_policy={choosers} (got {self.enable_cpu_offload}, "
                              f"{self.sparse_policy!r}); use -1 or 0")
-
-    def _check_unused_sparse_options(self):
-        """An option that some registered policy declares (:attr:`SparsePolicy.options`) but the
-        chosen one does not, set to another value than its default, would be ignored: refused."""
-        chosen = policy_class(self.sparse_policy)
-        readers: dict[str, list[str]] = {}
-        for policy in registered_policies():
-            for option in policy.options:
-                readers.setdefault(option, []).append(policy.name)
-        for option, names in readers.items():
-            value, default = getattr(self, option), FIELD_DEFAULTS[option]
-            if option not in chosen.options and value != default:
-                users = " or ".join(repr(n) for n in names)
-                raise ValueError(f"{option}={value!r} is read by sparse_policy={users} only, but "
-                                 f"sparse_policy={self.sparse_policy!r} does not use it: choose {users} or leave "
-                                 f"{option} at its default {default!r}")
 
     def _check_parallel(self):
         """Resolve the launch (``self.launch``, read once here) and check the parallel sizes."""

@@ -2,8 +2,8 @@
 the registry; importing this package registers FULL, QUEST, STREAMING, XATTN_BSA, MOMENTS
 and ORACLE)."""
 from nanovllm.sparse.full import FullAttentionPolicy
-from nanovllm.sparse.policy import (DecodeCandidates, SparsePolicy, choosing_policy_names, create_policy, policy_class,
-                                    policy_names, register_policy, registered_policies)
+from nanovllm.sparse.policy import (DecodeCandidates, SparsePolicy, check_unused_options, choosing_policy_names,
+                                    create_policy, policy_class, policy_names, register_policy, registered_policies)
 from nanovllm.sparse.quest import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, QuestPolicy
 from nanovllm.sparse.stats import SparseStats
 from nanovllm.sparse.streaming import StreamingPolicy
@@ -13,5 +13,5 @@ from nanovllm.sparse.oracle import OraclePolicy  # registered last: a measuremen
 
 __all__ = ["DEFAULT_GROUP_SCORE", "DEFAULT_RADIUS_WEIGHT", "DEFAULT_TOKEN_BUDGET", "DecodeCandidates",
            "FullAttentionPolicy", "MomentsPolicy", "OraclePolicy", "QuestPolicy", "SparsePolicy", "SparseStats",
-           "StreamingPolicy", "XAttentionBSAPolicy", "choosing_policy_names", "create_policy", "policy_class",
-           "policy_names", "register_policy", "registered_policies"]
+           "StreamingPolicy", "XAttentionBSAPolicy", "check_unused_options", "choosing_policy_names", "create_policy",
+           "policy_class", "policy_names", "register_policy", "registered_policies"]

@@ -63,6 +63,28 @@ def policy_class(name) -> type["SparsePolicy"]:
     return cls
 
 
+def check_unused_options(config, defaults: dict) -> None:
+    """Refuse an option that some registered policy declares (:attr:`SparsePolicy.options`) but
+    ``config.sparse_policy`` does not, set in ``config`` to another value than its default
+    (``defaults``: option name to default): it would be ignored.
+
+    Raises:
+        ValueError: naming the option, its value, the policies that read it and its default.
+    """
+    chosen = policy_class(config.sparse_policy)
+    readers: dict[str, list[str]] = {}
+    for policy in registered_policies():
+        for option in policy.options:
+            readers.setdefault(option, []).append(policy.name)
+    for option, names in readers.items():
+        value, default = getattr(config, option), defaults[option]
+        if option not in chosen.options and value != default:
+            users = " or ".join(repr(n) for n in names)
+            raise ValueError(f"{option}={value!r} is read by sparse_policy={users} only, but "
+                             f"sparse_policy={config.sparse_policy!r} does not use it: choose {users} or leave "
+                             f"{option} at its default {default!r}")
+
+
 def create_policy(config, scale: float) -> "SparsePolicy":
     """The policy ``config.sparse_policy`` names, with its options from ``config``.
 
