@@ -13,8 +13,8 @@ every answer token. Per layer, KV head and position ``t`` (keys ``0..t``, as in 
   candidates are every other page (all full);
 - each estimator is the engine's policy (nanovllm/sparse: QUEST with radius weight ``w``, MOMENTS,
   ORACLE), its page metadata built from the keys by ``on_pages_full`` and its picks made by
-  ``select_decode_pages`` (the GQA group combined by "max", or "sum"; ``budget / 16`` pages, best
-  first, so a smaller budget's picks are the first of a larger one's);
+  ``select_decode_pages`` (the GQA group combined by "max", or "sum"; ``budget / 16`` pages, chosen
+  anew at each budget);
 - recall of a query head = its attention mass in the always-read and selected pages.
 
 Output (JSON on stdout, and --out): per estimator and budget the mean recall over samples,
@@ -62,7 +62,7 @@ def choose(kind: str, weight: float | None, combine: str, q: torch.Tensor, keys:
     Args: q float32 ``[S, Hq, D]``; keys float32 ``[T, Hkv, D]``; pages int64 ``[S, C]`` candidate
     page ids (-1: none), candidate 0 being logical page ``first``; budget tokens per KV head.
 
-    Returns: int64 ``[S, Hkv, k]`` candidate columns, best first, -1 for none.
+    Returns: int64 ``[S, Hkv, k]`` candidate columns (in column order), -1 for none.
     """
     full = keys.shape[0] // page
     extra = {"radius_weight": weight} if kind == "quest" else {}
@@ -108,10 +108,9 @@ def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budg
     in_context = torch.minimum((pos[:, None] + 1 - ids * page).clamp(0, page), torch.tensor(page))  # [S, NP]
     out = {("FIXED_ONLY", 0): (mass * fixed[:, None]).sum(-1)}  # no picks: sinks, recent and current pages
     for name, (kind, weight, combine, own) in estimators.items():
-        mine = [b for b in budgets if own is None or b in own]
-        best = choose(kind, weight, combine, q, keys, pages, sink_pages, page, max(mine))  # best first
-        for budget in mine:
-            picks = best[..., :math.ceil(budget / page)]  # [S, Hkv, k] candidate columns: a budget's picks
+        for budget in [b for b in budgets if own is None or b in own]:
+            # each budget chooses anew: the picks come in column order, not best first
+            picks = choose(kind, weight, combine, q, keys, pages, sink_pages, page, budget)  # [S, Hkv, k]
             read = torch.cat([fixed, fixed.new_zeros(num_q, 1)], 1)[:, None].repeat(1, heads_kv, 1)  # last: no pick
             read.scatter_(2, torch.where(picks >= 0, picks + sink_pages, num_total), True)
             read = read[..., :num_total]
