@@ -120,6 +120,7 @@ def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy, tier
     assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(logits, ref_logits))
     assert reads["read_tokens"] == ref_reads["read_tokens"] and reads["density"] < 0.5
     if tiers == "host":
-        assert ref_reads["loaded_host_bytes"] > 0
+        # STREAMING reads its sinks (the first block) and its recent tokens (the last): both stay in the GPU tier
+        assert (ref_reads["loaded_host_bytes"] > 0) == (policy == "QUEST"), ref_reads["loaded_host_bytes"]
         for key in ("loaded_host_bytes", "available_host_bytes", "read_host_pages", "reused_host_pages"):
             assert reads[key] == ref_reads[key], key
