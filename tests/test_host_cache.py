@@ -84,6 +84,17 @@ def test_pinned_bytes_grow_with_use_and_are_released(llama3_dir, monkeypatch):
     assert memory.bytes_pinned == 0, "released at shutdown"
 
 
+def test_first_chunk_is_pinned_at_build(llama3_dir, monkeypatch):
+    """The first spill writes into the host tier's first chunk: it is pinned when the engine is
+    built (with the background thread idle here), so no step waits for it."""
+    monkeypatch.setattr(host_memory.HostMemory, "_run", lambda self: None)  # the thread pins nothing
+    with build_llm(llama3_dir, max_model_len=3100, num_kvcache_blocks=8, **HOST) as llm:
+        memory = llm.model_runner.cache.host.memory
+        assert memory.pinned_blocks == min(memory.chunk_blocks, memory.num_blocks) >= 16
+        llm.generate([random_prompt(2600, seed=511)], greedy(2), use_tqdm=False)  # 11 blocks: spills into chunk 0
+        assert llm.get_kv_cache_stats()["spilled_blocks"] > 0 and memory.num_waits == 0
+
+
 # ---------------------------------------------------------------- block manager, unit level
 def _seq(tokens):
     return Sequence(tokens, SamplingParams(temperature=0.0), BLOCK)

@@ -4,7 +4,7 @@
     cache.set_key_offsets(offsets)                      an fp8 cache's key offsets (key_offset.py), before allocate
     cache.host_blocks(ranks_on_host)                    host-tier size (0 without the host tier)
     cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
-    cache.start_pinning()                               host memory pinned in the background from now on
+    cache.start_pinning()                               the first host chunk pinned, the rest in the background
     each step: cache.begin_step(moves) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
 The GPU tier is ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys, values) read
@@ -233,9 +233,11 @@ class KVCache:
                             write_ahead_blocks=step_blocks, host_blocks_ready=ready)
 
     def start_pinning(self):
-        """Start pinning the host tier's memory in the background (after the CUDA graphs are
-        captured: ``host_memory.py``); a no-op without a host tier."""
+        """Pin the host tier's first chunk now (the first spill writes into it, so the first step
+        does not wait for it) and the rest in the background (after the CUDA graphs are captured:
+        ``host_memory.py``); a no-op without a host tier."""
         if self.host is not None:
+            self.host.memory.pin_first_chunk()
             self.host.memory.start()
 
     def release(self):
