@@ -77,10 +77,12 @@ class RequestChecker:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
-            if k is not None and k > self.vocab_size:
+            if k is None:
+                continue
+            if k > self.vocab_size:
                 raise ValueError(f"{name}: {field}={k} is more than the vocabulary's {self.vocab_size} tokens")
             asked = self.vocab_size if k == -1 else k
-            if k is not None and self.max_logprobs != -1 and asked > self.max_logprobs:
+            if self.max_logprobs != -1 and asked > self.max_logprobs:
                 raise ValueError(f"{name}: {field}={k} asks for {asked} logprobs, more than max_logprobs="
                                  f"{self.max_logprobs} (raise LLM(max_logprobs=...); -1: no limit)")
         return params

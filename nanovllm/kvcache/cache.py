@@ -3,8 +3,8 @@
     cache = KVCache(config, attention_layers, device)   binds itself to every attention layer
     cache.set_key_offsets(offsets)                      an fp8 cache's key offsets (key_offset.py), before allocate
     cache.host_blocks(ranks_on_host)                    host-tier size (0 without the host tier)
-    cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload), metadata
-    cache.start_pinning()                               the first host chunk pinned, the rest in the background
+    cache.allocate(sizes)                               GPU tier, host tier (enable_cpu_offload; its first chunk pinned), metadata
+    cache.start_pinning()                               the rest of the host tier pinned in the background
     each step: cache.begin_step(moves) -> cache.prepare(seqs, is_prefill) -> model -> cache.finish_step()
 
 The GPU tier is ``[2, L, num_gpu_blocks + reuse rows, block_size, Hkv, D]`` (keys, values) read
@@ -114,7 +114,6 @@ class KVCache:
         (:meth:`DecodeSelection.for_graphs`), over the allocated cache."""
         if self.tiered and self._graph_host_counts is None:  # the graphs gather host pages
             self._graph_host_counts = torch.zeros(2, self.geometry.num_layers, dtype=torch.int64, device=self.device)
-            self.host.memory.pin_first_chunk()  # the captured gather's addresses (host_memory.py)
         return DecodeSelection.for_graphs(self.policy, batch, self.config.max_model_len, self.layout,
                                           self.geometry.block_size, self.geometry.num_kv_heads, self.device,
                                           host_counts=self._graph_host_counts)
@@ -193,6 +192,9 @@ class KVCache:
         if self.tiered:
             self.host = HostTier(g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.cache_dtype, self.device,
                                  sizes.host_blocks, self.num_ring_slots, scaled=self.storage.scaled)
+            # every layer's first host block lies in chunk 0: the first spill writes into it (so no step
+            # waits for it) and captured gathers read it (registered before any capture: host_memory.py)
+            self.host.memory.pin_first_chunk()
         self.kv = self.layout.per_layer(rows)
         self.kv_scales = None if scale_rows is None else self.layout.per_layer(scale_rows)
         self.num_gpu_blocks = sizes.gpu_blocks
@@ -233,11 +235,10 @@ class KVCache:
                             write_ahead_blocks=step_blocks, host_blocks_ready=ready)
 
     def start_pinning(self):
-        """Pin the host tier's first chunk now (the first spill writes into it, so the first step
-        does not wait for it) and the rest in the background (after the CUDA graphs are captured:
-        ``host_memory.py``); a no-op without a host tier."""
+        """Pin the rest of the host tier's memory in the background (after the CUDA graphs are
+        captured: ``host_memory.py``; the first chunk is pinned by :meth:`allocate`); a no-op
+        without a host tier."""
         if self.host is not None:
-            self.host.memory.pin_first_chunk()
             self.host.memory.start()
 
     def release(self):

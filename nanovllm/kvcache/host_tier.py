@@ -258,9 +258,9 @@ class HostTier:
         skip) into the same head of page ``dst_pages[i]`` of ``k_pages`` / ``v_pages`` (``[pages,
         page_size, Hkv, D]``; an fp8 tier: with its scales, into ``scale_pages`` ``[pages,
         page_size, Hkv]`` each) on the compute stream, the ids never read on the host
-        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes on the device. Before the first
-        spill no host page exists and no host address may be pinned yet: nothing is launched then
-        (a CUDA-graph capture of the gather pins the first chunk first, ``HostMemory.pin_first_chunk``)."""
+        (:func:`nanovllm.ops.gather_host_pages`); counts the bytes on the device. With nothing
+        pinned yet no host page exists and nothing is launched (``KVCache.allocate`` pins the first
+        chunk, ``HostMemory.pin_first_chunk``, before any CUDA-graph capture of the gather)."""
         if self.memory.pinned_blocks == 0:
             return
         page = k_pages.shape[1]
