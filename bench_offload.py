@@ -52,6 +52,7 @@ every mode.
 import argparse
 import gc
 import json
+import sys
 import time
 
 import torch
@@ -117,10 +118,21 @@ def _step_until(llm, done, step_times: list | None = None) -> list:
     return finished
 
 
-def step_until_decoding(llm) -> list:
-    """Step until every added request is prefilled and has its first token; the sequences finished."""
-    return _step_until(llm, lambda: not llm.scheduler.waiting and all(
-        s.num_completion_tokens for s in llm.scheduler.running))
+def step_until_decoding(llm, report_every_s: float = 60.0) -> list:
+    """Step until every added request is prefilled and has its first token; the sequences finished.
+    Every ``report_every_s`` seconds the prompt tokens computed so far go to stderr (a long prefill
+    that a time limit ends still says how far it got)."""
+    start = last = time.perf_counter()
+
+    def done() -> bool:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= report_every_s:
+            computed = sum(s.num_computed_tokens for s in llm.scheduler.running)
+            print(f"prefill: {computed} tokens computed after {now - start:.0f} s", file=sys.stderr, flush=True)
+            last = now
+        return not llm.scheduler.waiting and all(s.num_completion_tokens for s in llm.scheduler.running)
+    return _step_until(llm, done)
 
 
 def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_seqs: int) -> float:
