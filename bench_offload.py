@@ -30,7 +30,8 @@ and step), ``--sparse-sink-tokens``, ``--sparse-recent-tokens``, ``--sparse-dens
 ``--sparse-threshold`` (XATTN_BSA); each left
 unset takes the engine's default. ``--sparse-topk-blocks`` is the engine's deprecated alias
 (budget = it x ``--block-size``). Reported per mode: TTFT of the batch (every sequence has its first token),
-prefill and decode tok/s, the tier split during decode (``get_kv_cache_stats`` after the first
+prefill and decode tok/s (decode over ``decode_batch``, the sequences decoding together: fewer
+than ``--num-seqs`` when the cache cannot hold them all and they run in turns), the tier split during decode (``get_kv_cache_stats`` after the first
 decode step, which places every sequence's next block), bytes moved each way, the host bytes read
 per decode step, the longest decode step (the host's step call), the host memory pinned and the
 steps that waited for pinning, the sparse statistics (with QUEST's reuse rate per layer), and on

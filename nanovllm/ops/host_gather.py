@@ -75,7 +75,7 @@ def _gather_host_pages_kernel(src_k, src_v, src_pages, heads, dst_k, dst_v, dst_
     src_off = src * stride_sp + head * stride_sh + t[:, None] * stride_st + d[None, :]
     dst_off = dst * stride_dp + head * stride_dh + t[:, None] * stride_dt + d[None, :]
     # Both loads are issued before either store: a store to dst_k may alias src_v as far as the
-    # compiler knows, so a load after it would wait for it, halving the bytes in flight over PCIe.
+    # compiler knows, so a load of src_v after it would wait for it.
     k = tl.load(src_k + src_off, mask=mask)
     v = tl.load(src_v + src_off, mask=mask)
     tl.store(dst_k + dst_off, k, mask=mask)
