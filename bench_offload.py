@@ -31,8 +31,9 @@ and step), ``--sparse-sink-tokens``, ``--sparse-recent-tokens``, ``--sparse-dens
 unset takes the engine's default. ``--sparse-topk-blocks`` is the engine's deprecated alias
 (budget = it x ``--block-size``). Reported per mode: TTFT of the batch (every sequence has its first token),
 prefill and decode tok/s (decode over ``decode_batch``, the sequences decoding together: fewer
-than ``--num-seqs`` when the cache cannot hold them all and they run in turns), the tier split during decode (``get_kv_cache_stats`` after the first
-decode step, which places every sequence's next block), bytes moved each way, the host bytes read
+than ``--num-seqs`` when the cache cannot hold them all and they run in turns), the tier split
+during decode (``get_kv_cache_stats`` after the first decode step, which places every sequence's
+next block), bytes moved each way, the host bytes read
 per decode step, the longest decode step (the host's step call), the host memory pinned and the
 steps that waited for pinning, the sparse statistics (with QUEST's reuse rate per layer), and on
 CUDA decode as a fraction of its bound:
@@ -136,7 +137,7 @@ def step_until_decoding(llm, report_every_s: float = 60.0) -> list:
     return _step_until(llm, done)
 
 
-def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_seqs: int) -> float:
+def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, batch: int) -> float:
     """Decode tok/s the hardware allows for this batch, tier split and host reads (module doc)."""
     cache = llm.model_runner.cache
     weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
@@ -147,7 +148,7 @@ def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, num_se
         kv += (stats["gpu_blocks_used"] + stats["host_blocks_used"]) * cache.metadata_bytes_per_block()
     gpu_side = (kv + weights) / (bw["hbm_gb_per_s"] * 1e9)
     host_side = host_bytes_per_step / (bw["pinned_h2d_gb_per_s"] * 1e9)
-    return num_seqs / max(gpu_side, host_side)
+    return batch / max(gpu_side, host_side)
 
 
 def _host_bytes_read(llm) -> int:
@@ -287,10 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The parsed, checked arguments, ``args.model`` filled with the shape's random checkpoint when
-    not given (argparse's error, exit 2, for a bad value)."""
-    args = parser.parse_args()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed, checked arguments (``argv``, by default the command line), ``args.model`` filled
+    with the shape's random checkpoint when not given (argparse's error, exit 2, for a bad value)."""
+    args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes must list some of {', '.join(MODES)}, got {args.modes!r}")

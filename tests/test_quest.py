@@ -346,19 +346,15 @@ def test_bench_offload_gives_the_full_baseline_none_of_the_policy_options():
     assert full["sparse_policy"] == "FULL" and not set(bench_offload.SPARSE_OPTIONS) & set(full)
 
 
-def test_bench_offload_rates_the_sequences_that_decode_together(qwen3_dir, monkeypatch):
+def test_bench_offload_rates_the_sequences_that_decode_together(qwen3_dir):
     """``bench_offload.py --num-seqs 3`` with a GPU tier that holds two: the sequences run in turns,
     and decode tok/s counts the one left in the last turn (``decode_batch``), not three."""
-    import sys
-
     import bench_offload
 
-    argv = ["bench_offload.py", "--model", qwen3_dir, "--device", "cpu", "--enforce-eager", "--input-len", "300",
-            "--num-seqs", "3", "--decode-tokens", "4", "--block-size", "256", "--modes", "gpu"]
-    monkeypatch.setattr(sys, "argv", argv + ["--num-kvcache-blocks", "4"])
-    crowded = bench_offload.run_mode(bench_offload.parse_args(bench_offload.build_parser()), "gpu", {})
-    monkeypatch.setattr(sys, "argv", argv)
-    roomy = bench_offload.run_mode(bench_offload.parse_args(bench_offload.build_parser()), "gpu", {})
+    argv = ["--model", qwen3_dir, "--device", "cpu", "--enforce-eager", "--input-len", "300", "--num-seqs", "3",
+            "--decode-tokens", "4", "--block-size", "256", "--modes", "gpu"]
+    crowded, roomy = (bench_offload.run_mode(bench_offload.parse_args(bench_offload.build_parser(), args), "gpu", {})
+                      for args in (argv + ["--num-kvcache-blocks", "4"], argv))
     assert crowded["decode_batch"] == 1 and roomy["decode_batch"] == 3
     assert crowded["tokens"] == roomy["tokens"] and len(roomy["tokens"]) == 3
     for result in (crowded, roomy):  # the rate is the batch's tokens over the timed steps
