@@ -41,12 +41,16 @@ CUDA decode as a fraction of its bound:
     time per step >= max((GPU-resident KV read + page metadata + weights) / HBM bandwidth,
                          host bytes read per decode step / pinned bandwidth)
 
-with both bandwidths measured here. FULL reads every host-resident block each step (the bound of
+with both bandwidths measured here (``decode_fraction_of_bound``). FULL reads every host-resident block each step (the bound of
 host-resident KV); a policy that chooses decode pages (QUEST, STREAMING) only the (page, KV head)
 pairs it reads from the host and does not find in the reuse cache (host bytes counted as the host
 tier counts them, gathers included). On the GPU side FULL reads every GPU-resident block; a
 choosing policy reads its decode density's share of them (the density counts the reads of both
 tiers) and every used block's page metadata (QUEST's key bounds; both tiers' live on the GPU).
+For such a policy over the host tier, ``decode_fraction_of_selected_bound`` also rates decode
+against every host (page, KV head) pair it selects, reuse-cache hits included, moved over the
+link after the HBM time (``selected_host_bytes_per_decode_step`` / pinned bandwidth + the GPU
+side above): the bound of a step that reuses nothing and overlaps nothing.
 A mode the engine refuses
 (e.g. GPU-only at 1M tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of
 every mode.
@@ -137,8 +141,9 @@ def step_until_decoding(llm, report_every_s: float = 60.0) -> list:
     return _step_until(llm, done)
 
 
-def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, batch: int) -> float:
-    """Decode tok/s the hardware allows for this batch, tier split and host reads (module doc)."""
+def _hbm_seconds(llm, stats: dict, bw: dict) -> float:
+    """A decode step's HBM time for this tier split: the GPU-resident KV it reads, the page
+    metadata and the weights (module doc)."""
     cache = llm.model_runner.cache
     weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
     kv = stats["gpu_blocks_used"] * cache.geometry.block_bytes
@@ -146,9 +151,18 @@ def _decode_bound(llm, stats: dict, host_bytes_per_step: float, bw: dict, batch:
         density = llm.get_sparse_stats()["decode"]["density"]
         kv = kv * (1.0 if density is None else density)
         kv += (stats["gpu_blocks_used"] + stats["host_blocks_used"]) * cache.metadata_bytes_per_block()
-    gpu_side = (kv + weights) / (bw["hbm_gb_per_s"] * 1e9)
-    host_side = host_bytes_per_step / (bw["pinned_h2d_gb_per_s"] * 1e9)
-    return batch / max(gpu_side, host_side)
+    return (kv + weights) / (bw["hbm_gb_per_s"] * 1e9)
+
+
+def _selected_host_bytes(llm) -> int:
+    """Bytes of the host (page, KV head) reads a choosing policy's decode steps selected so far,
+    reuse-cache hits included (0 without a host tier or such a policy; syncs with the device)."""
+    cache = llm.model_runner.cache
+    if cache.host is None or not cache.policy.chooses_decode_pages:
+        return 0
+    g = cache.geometry
+    entry = g.layer_block_bytes * cache.policy.page_size // (g.block_size * g.num_kv_heads)
+    return llm.get_sparse_stats()["decode"]["read_host_pages"] * entry
 
 
 def _host_bytes_read(llm) -> int:
@@ -217,7 +231,7 @@ def _measure(llm, args, bw: dict) -> dict:
     # The sequences decoding together: fewer than --num-seqs when the cache cannot hold them all, in
     # which case they ran in turns (and the TTFT covers the earlier turns' whole decode).
     batch = len(llm.scheduler.running)
-    host_bytes_at_decode = _host_bytes_read(llm)
+    host_bytes_at_decode, selected_at_decode = _host_bytes_read(llm), _selected_host_bytes(llm)
     t1 = time.perf_counter()
     step_times = []
     finished += _step_until(llm, llm.is_finished, step_times)
@@ -226,6 +240,7 @@ def _measure(llm, args, bw: dict) -> dict:
     block_bytes = llm.model_runner.cache.geometry.block_bytes
     steps = args.decode_tokens - 2
     host_bytes_per_step = (_host_bytes_read(llm) - host_bytes_at_decode) / steps
+    selected_per_step = (_selected_host_bytes(llm) - selected_at_decode) / steps
     result = {"ttft_s": round(ttft, 3), "prefill_tok_per_s": round(args.num_seqs * args.input_len / ttft, 1),
               "decode_batch": batch, "decode_tok_per_s": round(batch * steps / decode_s, 2),
               "tpot_ms": round(decode_s / steps * 1e3, 3), "tiers_at_decode": at_decode,
@@ -239,10 +254,17 @@ def _measure(llm, args, bw: dict) -> dict:
               "kv_cache_dtype": after["kv_cache_dtype"], "gpu_tier_tokens": after["gpu_tokens"],
               "host_tier_tokens": after["host_tokens"],
               "tokens": [s.completion_token_ids for s in sorted(finished, key=lambda s: s.seq_id)]}
+    if selected_per_step:
+        result["selected_host_bytes_per_decode_step"] = round(selected_per_step)
     if torch.cuda.is_available():
-        bound = _decode_bound(llm, at_decode, host_bytes_per_step, bw, batch)
+        hbm_s, link = _hbm_seconds(llm, at_decode, bw), bw["pinned_h2d_gb_per_s"] * 1e9
+        bound = batch / max(hbm_s, host_bytes_per_step / link)
         result.update(decode_bound_tok_per_s=round(bound, 2),
                       decode_fraction_of_bound=round(result["decode_tok_per_s"] / bound, 3))
+        if selected_per_step:
+            selected_bound = batch / (hbm_s + selected_per_step / link)
+            result.update(decode_selected_bound_tok_per_s=round(selected_bound, 2),
+                          decode_fraction_of_selected_bound=round(result["decode_tok_per_s"] / selected_bound, 3))
     if llm.config.sparse_policy != "FULL":
         result["sparse_stats"] = _sparse_stats(llm)
     return result

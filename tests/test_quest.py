@@ -364,7 +364,7 @@ def test_bench_offload_rates_the_sequences_that_decode_together(qwen3_dir):
 
 
 def test_bench_offload_bound_counts_a_choosing_policys_reads_and_metadata(qwen3_dir):
-    """``bench_offload._decode_bound``: FULL's GPU side reads every used block; QUEST's reads its
+    """``bench_offload._hbm_seconds``: FULL's GPU side reads every used block; QUEST's reads its
     decode density's share of them plus every used block's key bounds."""
     import bench_offload
 
@@ -384,8 +384,8 @@ def test_bench_offload_bound_counts_a_choosing_policys_reads_and_metadata(qwen3_
             density = llm.get_sparse_stats()["decode"]["density"] if policy == "QUEST" else 1.0
             meta = (stats["gpu_blocks_used"] + stats["host_blocks_used"]) * cache.metadata_bytes_per_block()
             assert stats["gpu_blocks_used"] > 0 and (policy == "FULL" or (0 < density < 1 and meta > 0))
-            bounds[policy] = bench_offload._decode_bound(llm, stats, 0.0, bw, 1)
-            assert bounds[policy] == pytest.approx(1e9 / (kv * density + (meta if policy == "QUEST" else 0) + weights))
+            bounds[policy] = bench_offload._hbm_seconds(llm, stats, bw)
+            assert bounds[policy] == pytest.approx((kv * density + (meta if policy == "QUEST" else 0) + weights) / 1e9)
     assert bounds["QUEST"] != bounds["FULL"]
 
 
@@ -401,3 +401,21 @@ def test_bench_selection_host_runs_the_policys_scoring_on_cpu(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["radius_weight"] == 0.25 and report["score"]
     assert report["no_reuse"]["reuse_rows"] == 0 and report["reuse"]["reuse_rows"] > 0
+
+
+def test_bench_offload_counts_the_host_pages_quest_selects_reuse_hits_included(qwen3_dir):
+    """``bench_offload.py --modes tiered --sparse-policy QUEST``: the selected host bytes per decode
+    step are the policy's host (page, KV head) reads at their bytes, hits of the reuse cache
+    included, so at least the bytes moved; FULL reports none."""
+    import bench_offload
+
+    argv = ["--model", qwen3_dir, "--device", "cpu", "--enforce-eager", "--input-len", "1000", "--decode-tokens", "6",
+            "--block-size", "256", "--num-kvcache-blocks", "2", "--sparse-policy", "QUEST",
+            "--sparse-token-budget", "128", "--sparse-recent-tokens", "32"]
+    args = bench_offload.parse_args(bench_offload.build_parser(), argv)
+    quest = bench_offload.run_mode(args, "tiered", {})
+    full = bench_offload.run_mode(args, "tiered-full", {})
+    selected, moved = quest["selected_host_bytes_per_decode_step"], quest["host_bytes_per_decode_step"]
+    assert selected >= moved > 0
+    assert quest["sparse_stats"]["decode"]["reuse_rate"] > 0 and selected > moved  # hits: selected, not moved
+    assert "selected_host_bytes_per_decode_step" not in full and full["host_bytes_per_decode_step"] > 0
