@@ -41,19 +41,18 @@ CUDA decode as a fraction of its bound:
     time per step >= max((GPU-resident KV read + page metadata + weights) / HBM bandwidth,
                          host bytes read per decode step / pinned bandwidth)
 
-with both bandwidths measured here (``decode_fraction_of_bound``). FULL reads every host-resident block each step (the bound of
-host-resident KV); a policy that chooses decode pages (QUEST, STREAMING) only the (page, KV head)
-pairs it reads from the host and does not find in the reuse cache (host bytes counted as the host
-tier counts them, gathers included). On the GPU side FULL reads every GPU-resident block; a
-choosing policy reads its decode density's share of them (the density counts the reads of both
-tiers) and every used block's page metadata (QUEST's key bounds; both tiers' live on the GPU).
-For such a policy over the host tier, ``decode_fraction_of_selected_bound`` also rates decode
-against every host (page, KV head) pair it selects, reuse-cache hits included, moved over the
-link after the HBM time (``selected_host_bytes_per_decode_step`` / pinned bandwidth + the GPU
-side above): the bound of a step that reuses nothing and overlaps nothing.
-A mode the engine refuses
-(e.g. GPU-only at 1M tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of
-every mode.
+with both bandwidths measured here (``decode_fraction_of_bound``). FULL reads every host-resident
+block each step (the bound of host-resident KV); a policy that chooses decode pages (QUEST,
+STREAMING) only the (page, KV head) pairs it reads from the host and does not find in the reuse
+cache (host bytes counted as the host tier counts them, gathers included). On the GPU side FULL
+reads every GPU-resident block; a choosing policy reads its decode density's share of them (the
+density counts the reads of both tiers) and every used block's page metadata (QUEST's key bounds;
+both tiers' live on the GPU). For such a policy over the host tier,
+``decode_fraction_of_selected_bound`` also rates decode against every host (page, KV head) pair it
+selects, reuse-cache hits included, moved over the link after the HBM time
+(``selected_host_bytes_per_decode_step`` / pinned bandwidth + the GPU side above): the bound of a
+step that reuses nothing and overlaps nothing. A mode the engine refuses (e.g. GPU-only at 1M
+tokens) reports its error. ``--num-kvcache-blocks`` forces the GPU tier of every mode.
 """
 import argparse
 import gc
