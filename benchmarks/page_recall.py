@@ -73,6 +73,34 @@ def choose(kind: str, weight: float | None, combine: str, q: torch.Tensor, keys:
     return policy.select_decode_pages(0, q, DecodeCandidates(list(range(q.shape[0])), pages, first, keys.shape[1]))
 
 
+def read_pages(positions: list[int], num_keys: int, page: int, sink: int, recent: int):
+    """The always-read pages and the candidates of each decode position ``t`` (keys ``0..t``): the
+    first ``ceil(sink / page)`` pages, the ``ceil(recent / page)`` pages before the page holding
+    ``t`` and that page are always read, every other page is a candidate. Returns ``(candidates
+    int64 [S, C]`` page ids, -1: none; ``fixed`` bool ``[S, NP]``; the first candidate page; ``NP``
+    the pages of ``num_keys`` keys)."""
+    pos = torch.tensor(positions)
+    num_total = math.ceil(num_keys / page)
+    sink_pages, tail = math.ceil(sink / page), math.ceil(recent / page) + 1
+    num_pages = (pos + page) // page  # ceil((t + 1) / page)
+    ids = torch.arange(num_total)
+    fixed = (ids < sink_pages) | ((ids >= (num_pages - tail)[:, None]) & (ids < num_pages[:, None]))  # [S, NP]
+    count = (num_pages - sink_pages - tail).clamp(min=0)
+    columns = torch.arange(int(count.max()))
+    return torch.where(columns < count[:, None], columns + sink_pages, -1), fixed, sink_pages, num_total
+
+
+def page_mass(q: torch.Tensor, keys: torch.Tensor, positions: list[int], page: int) -> torch.Tensor:
+    """Each query head's exact attention probability mass per page, float32 ``[S, Hq, NP]``: softmax of
+    ``q . k / sqrt(D)`` over keys ``0..t`` at each position ``t`` (q ``[S, Hq, D]``, keys ``[T, Hkv, D]``)."""
+    group = q.shape[1] // keys.shape[1]
+    num_total = math.ceil(keys.shape[0] / page)
+    logits = torch.einsum("shd,thd->sht", q, keys.repeat_interleave(group, dim=1)) * (1.0 / math.sqrt(q.shape[2]))
+    logits = logits.masked_fill(torch.arange(keys.shape[0]) > torch.tensor(positions)[:, None, None], float("-inf"))
+    logits = F.pad(logits, (0, num_total * page - keys.shape[0]), value=float("-inf"))
+    return torch.softmax(logits, dim=-1).view(*q.shape[:2], num_total, page).sum(-1)
+
+
 def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budgets: list[int],
                  estimators: dict = ESTIMATORS, page: int = 16, sink: int = 16, recent: int = 256) -> dict:
     """Recall of every (estimator, budget) for one layer.
@@ -86,25 +114,11 @@ def layer_recall(q: torch.Tensor, keys: torch.Tensor, positions: list[int], budg
     Returns: ``{(name, budget): float32 [S, Hq] recall}`` (and ``("FIXED_ONLY", 0)``: the
     always-read pages alone) and ``{("density", budget): float32 [S]}``, tokens read over ``t + 1``.
     """
-    num_q, heads_q, dim = q.shape
-    heads_kv, group = keys.shape[1], heads_q // keys.shape[1]
-    scale = 1.0 / math.sqrt(dim)
-    pos = torch.tensor(positions)
-    num_total = math.ceil(keys.shape[0] / page)
-    kx = keys.repeat_interleave(group, dim=1)  # [T, Hq, D]
-    logits = torch.einsum("shd,thd->sht", q, kx) * scale
-    logits = logits.masked_fill(torch.arange(keys.shape[0]) > pos[:, None, None], float("-inf"))
-    logits = F.pad(logits, (0, num_total * page - keys.shape[0]), value=float("-inf"))
-    paged = logits.view(num_q, heads_q, num_total, page)
-    mass = torch.softmax(logits, dim=-1).view_as(paged).sum(-1)  # [S, Hq, NP]
-    sink_pages, tail = math.ceil(sink / page), math.ceil(recent / page) + 1
-    num_pages = (pos + page) // page  # ceil((t + 1) / page)
-    ids = torch.arange(num_total)
-    fixed = (ids < sink_pages) | ((ids >= (num_pages - tail)[:, None]) & (ids < num_pages[:, None]))  # [S, NP]
-    count = (num_pages - sink_pages - tail).clamp(min=0)
-    width = int(count.max())
-    cols = torch.arange(width)
-    pages = torch.where(cols < count[:, None], cols + sink_pages, -1)  # [S, C]
+    num_q, heads_kv = q.shape[0], keys.shape[1]
+    group = q.shape[1] // heads_kv
+    pages, fixed, sink_pages, num_total = read_pages(positions, keys.shape[0], page, sink, recent)
+    mass = page_mass(q, keys, positions, page)
+    pos, ids = torch.tensor(positions), torch.arange(num_total)
     in_context = torch.minimum((pos[:, None] + 1 - ids * page).clamp(0, page), torch.tensor(page))  # [S, NP]
     out = {("FIXED_ONLY", 0): (mass * fixed[:, None]).sum(-1)}  # no picks: sinks, recent and current pages
     for name, (kind, weight, combine, own) in estimators.items():

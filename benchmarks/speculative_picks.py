@@ -10,10 +10,10 @@ layers ``j - a .. j - 1`` compute, leaving only the real picks it missed to be g
 Method: as ``benchmarks/page_recall.py`` (its RULER samples, teacher forcing and capture of the
 post-RoPE queries and keys), plus the residual stream entering every layer at the decode
 positions (the last prompt token and the answer tokens, consecutive decode steps). Per layer
-``j >= a``, KV head and position, the engine's QUEST (``page_recall.choose``: radius weight 0.5,
-``sum`` within the GQA group, pages of 16, 16 sink and 256 recent tokens always read) picks from
-the real query and from the speculative one, and (means over layers, positions and KV heads, as
-fractions of the real picks):
+``j >= a``, KV head and position, the engine's QUEST (``page_recall.choose`` with the engine's
+default radius weight and GQA combination, pages of 16, 16 sink and 256 recent tokens always
+read) picks from the real query and from the speculative one, and (means over layers, positions
+and KV heads, as fractions of the real picks):
 
 - ``overlap``: real picks the speculative ones contain;
 - ``consecutive``: real picks the previous step's real picks of the layer contain (what the
@@ -36,52 +36,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.page_recall import MAX_ANSWER_TOKENS, TASKS, Capture, choose, load_model
+from benchmarks.page_recall import MAX_ANSWER_TOKENS, TASKS, Capture, choose, load_model, page_mass, read_pages
 from nanovllm.fetch import default_dest
+from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT
 
 PAGE, SINK, RECENT = 16, 16, 256
 """The engine's default pages and always-read tokens (``nanovllm/sparse/quest.py``)."""
-RADIUS_WEIGHT, GROUP_SCORE = 0.5, "sum"
-"""The engine's default QUEST estimate and GQA combination."""
 METRICS = ("overlap", "consecutive", "cover", "prefetch", "mass_real", "mass_spec")
-
-
-def read_pages(positions: list[int], num_keys: int, page: int = PAGE, sink: int = SINK, recent: int = RECENT):
-    """The always-read pages and the candidates of each decode position, as ``layer_recall`` builds
-    them: ``(candidates int64 [S, C] page ids (-1: none), fixed bool [S, NP], first candidate page,
-    NP)``."""
-    pos = torch.tensor(positions)
-    num_total = math.ceil(num_keys / page)
-    sink_pages, tail = math.ceil(sink / page), math.ceil(recent / page) + 1
-    num_pages = (pos + page) // page
-    ids = torch.arange(num_total)
-    fixed = (ids < sink_pages) | ((ids >= (num_pages - tail)[:, None]) & (ids < num_pages[:, None]))
-    count = (num_pages - sink_pages - tail).clamp(min=0)
-    columns = torch.arange(int(count.max()))
-    return torch.where(columns < count[:, None], columns + sink_pages, -1), fixed, sink_pages, num_total
-
-
-def page_mass(q: torch.Tensor, keys: torch.Tensor, positions: list[int], page: int = PAGE) -> torch.Tensor:
-    """Each query head's exact attention mass per page, float32 ``[S, Hq, NP]`` (keys ``0..t``)."""
-    group = q.shape[1] // keys.shape[1]
-    num_total = math.ceil(keys.shape[0] / page)
-    logits = torch.einsum("shd,thd->sht", q, keys.repeat_interleave(group, dim=1)) / math.sqrt(q.shape[2])
-    logits = logits.masked_fill(torch.arange(keys.shape[0]) > torch.tensor(positions)[:, None, None], float("-inf"))
-    logits = F.pad(logits, (0, num_total * page - keys.shape[0]), value=float("-inf"))
-    return torch.softmax(logits, dim=-1).view(*q.shape[:2], num_total, page).sum(-1)
 
 
 def picked(q: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, first: int, num_total: int,
            budget: int, page: int = PAGE) -> torch.Tensor:
     """QUEST's picks from ``q`` (the engine's policy), bool ``[S, Hkv, NP]``."""
-    picks = choose("quest", RADIUS_WEIGHT, GROUP_SCORE, q, keys, candidates, first, page, budget)
+    picks = choose("quest", DEFAULT_RADIUS_WEIGHT, DEFAULT_GROUP_SCORE, q, keys, candidates, first, page, budget)
     mask = torch.zeros(q.shape[0], keys.shape[1], num_total + 1, dtype=torch.bool)
     mask.scatter_(2, torch.where(picks >= 0, picks + first, num_total), True)
     return mask[..., :num_total]

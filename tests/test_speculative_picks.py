@@ -1,7 +1,8 @@
 """benchmarks/speculative_picks.py's metrics on tiny random tensors (CPU, seconds)."""
 import torch
 
-from benchmarks.speculative_picks import layer_metrics, picked, read_pages
+from benchmarks.page_recall import read_pages
+from benchmarks.speculative_picks import layer_metrics, picked
 
 PAGE, SINK, RECENT, BUDGET = 16, 16, 32, 48
 HQ, HKV, D, T = 6, 2, 8, 245
