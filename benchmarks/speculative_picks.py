@@ -93,7 +93,8 @@ def layer_metrics(q: torch.Tensor, q_spec: torch.Tensor, keys: torch.Tensor, pos
 
 def speculative_query(model, layer: int, stream: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """Layer ``layer``'s query from a residual stream ``[S, hidden]`` (float32 ``[S, Hq, D]``):
-    RoPE(q_proj(input_layernorm(stream))), with the transformers model's own modules."""
+    RoPE(q_proj(input_layernorm(stream))), with the transformers model's own modules (a
+    Llama-layout model: Qwen2, Llama; its half-split RoPE)."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     block = model.model.layers[layer]
