@@ -164,13 +164,20 @@ def load_model(path: str, capture: Capture):
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
+def teacher_forced(tokenizer, sample: dict) -> tuple[torch.Tensor, list[int], list[int]]:
+    """A sample's prompt followed by its gold answer (the references joined by ", " after a space, at
+    most :data:`MAX_ANSWER_TOKENS` tokens): ``(ids [1, T], answer token ids, decode positions)``, the
+    positions being the last prompt token's and every answer token's but the last."""
+    answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
+    ids = torch.tensor([sample["input_ids"] + answer])
+    return ids, answer, list(range(len(sample["input_ids"]) - 1, ids.shape[1]))
+
+
 def study(model, tokenizer, capture: Capture, sample: dict, budgets: list[int]) -> tuple[dict, float]:
     """One sample: ``{(name, budget): float32 [layers, S, Hq]}`` (position 0: the last prompt
     token) and the fraction of answer tokens the model predicts (teacher-forced argmax)."""
-    answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
-    prompt_len = len(sample["input_ids"])
-    ids = torch.tensor([sample["input_ids"] + answer])
-    capture.positions = list(range(prompt_len - 1, ids.shape[1]))
+    ids, answer, capture.positions = teacher_forced(tokenizer, sample)
+    prompt_len = capture.positions[0] + 1
     with torch.inference_mode():
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         predicted = model.lm_head(hidden[0, prompt_len - 1:-1]).argmax(-1)
@@ -202,18 +209,33 @@ def summarize(results: dict, budgets: list[int], group: int) -> dict:
     return report
 
 
-def main(argv=None) -> None:
-    """Parse arguments, build the samples, run the study, print the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def study_parser(description: str, num_samples: int, budgets: str) -> argparse.ArgumentParser:
+    """The command line shared by the CPU studies over RULER samples (this one and
+    ``benchmarks/speculative_picks.py``): model, tasks, samples per task, length, budgets, seed, output."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=str(default_dest("qwen2.5-coder-0.5b")),
                    help="the converted model (python -m nanovllm.fetch qwen2.5-coder-0.5b)")
     p.add_argument("--tasks", default=TASKS)
-    p.add_argument("--num-samples", type=int, default=4)
+    p.add_argument("--num-samples", type=int, default=num_samples)
     p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--budgets", default="256,512,1024")
+    p.add_argument("--budgets", default=budgets)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def print_report(report: dict, out: str | None) -> None:
+    """Print ``report`` as JSON, and write it to ``out`` when given."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
+def main(argv=None) -> None:
+    """Parse arguments, build the samples, run the study, print the JSON."""
+    args = study_parser(__doc__.split("\n\n")[0], 4, "256,512,1024").parse_args(argv)
     from tools import ruler
 
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -234,11 +256,7 @@ def main(argv=None) -> None:
               "num_samples": args.num_samples, "seed": args.seed, "budgets": budgets,
               "seconds": round(time.time() - start, 1), "answer_token_accuracy": accuracy,
               **summarize(results, budgets, group)}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,13 @@ input and the captured one (the pipeline's check; 0 up to float32 rounding).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 
 import torch
 
-from benchmarks.page_recall import MAX_ANSWER_TOKENS, TASKS, Capture, choose, load_model, page_mass, read_pages
-from nanovllm.fetch import default_dest
+from benchmarks.page_recall import (Capture, choose, load_model, page_mass, print_report, read_pages, study_parser,
+                                    teacher_forced)
 from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT
 
 PAGE, SINK, RECENT = 16, 16, 256
@@ -107,9 +105,7 @@ def speculative_query(model, layer: int, stream: torch.Tensor, positions: list[i
 def study(model, tokenizer, capture: Capture, sample: dict, budgets: list[int], lookaheads: list[int]):
     """One sample: ``{(lookahead, budget, metric): [per layer tensors]}`` and the largest error of
     the query recomputed from each layer's own input."""
-    answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
-    ids = torch.tensor([sample["input_ids"] + answer])
-    positions = list(range(len(sample["input_ids"]) - 1, ids.shape[1]))
+    ids, _, positions = teacher_forced(tokenizer, sample)
     capture.positions = positions
     streams: dict[int, torch.Tensor] = {}
 
@@ -159,16 +155,8 @@ def summarize(runs: list[dict], budgets: list[int], lookaheads: list[int]) -> di
 
 def main(argv=None) -> None:
     """Parse arguments, build the samples, run the study, print the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(default_dest("qwen2.5-coder-0.5b")),
-                   help="the converted model (python -m nanovllm.fetch qwen2.5-coder-0.5b)")
-    p.add_argument("--tasks", default=TASKS)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--budgets", default="512,1024")
+    p = study_parser(__doc__.split("\n\n")[0], 1, "512,1024")
     p.add_argument("--lookaheads", default="1,2", help="layers ahead the query is speculated from")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from tools import ruler
 
@@ -189,11 +177,7 @@ def main(argv=None) -> None:
               "num_samples": args.num_samples, "seed": args.seed, "budgets": budgets, "lookaheads": lookaheads,
               "max_query_error": max(errors), "seconds": round(time.time() - start, 1),
               **summarize(runs, budgets, lookaheads)}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(report, args.out)
 
 
 if __name__ == "__main__":
