@@ -32,6 +32,8 @@ Settings, by name:
     oracle-p{P}-b{B}-{max|sum}-d{D}   ORACLE: QUEST's options, pages chosen by their exact attention
                                       mass (the ceiling of any page selector at that budget)
     streaming-p{P}-d{D}               STREAMING: sinks and the recent window only
+    ...-d{D}-lw...                    (QUEST / MOMENTS / ORACLE) the budget shared by layer with the
+                                      weights of --layer-budget-weights (sparse_layer_budget_weights)
     ...-s{S}-r{R}                     (QUEST / ORACLE / STREAMING) S sink and R recent tokens instead of
                                       --sink-tokens / --recent-tokens
     ...-host                          (QUEST / ORACLE / STREAMING) over the host tier: 2 GPU-tier blocks per
@@ -80,6 +82,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -90,6 +93,7 @@ from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
 from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK  # noqa: E402
+from nanovllm.sparse import policy_class  # noqa: E402
 from tools import ruler  # noqa: E402
 
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
@@ -111,7 +115,7 @@ being host-bound."""
 
 _CHOOSING = re.compile(r"(?P<policy>quest|moments|oracle|streaming)-p(?P<page>\d+)"
                        r"(?:-b(?P<budget>\d+)-(?P<score>max|sum)(?:-w(?P<weight>[01](?:\.\d+)?))?)?"
-                       r"-d(?P<dense>\d+)(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
+                       r"-d(?P<dense>\d+)(?P<by_layer>-lw)?(?:-s(?P<sink>\d+)-r(?P<recent>\d+))?(?P<host>-host)?")
 _FULL_HOST = re.compile(r"full-host(?:-(?P<slots>\d+))?")
 _XATTN = re.compile(r"xattn-(?P<threshold>[0-9]*\.?[0-9]+)")
 FP8_SUFFIX = "-fp8"
@@ -124,7 +128,7 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     """:class:`RulerSettings` fields of setting ``name`` (the module docstring's grammar), with
     ``"blocks"`` (full blocks a prompt spans, sizing the block) for ``full-host-N``.
     ``sink_tokens`` / ``recent_tokens``: a choosing setting's always-read tokens unless its name
-    gives them.
+    gives them. A ``-lw`` setting has ``"by_layer": True`` (:func:`make_settings` adds the weights).
 
     Raises:
         ValueError: a name outside the grammar.
@@ -140,10 +144,10 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     if m := _XATTN.fullmatch(name):
         return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
     m = _CHOOSING.fullmatch(name)
-    if m is None or (m["policy"] == "streaming") == (m["budget"] is not None):
+    if m is None or (m["policy"] == "streaming") == (m["budget"] is not None) or (m["by_layer"] and not m["budget"]):
         raise ValueError(f"unknown setting {name!r}: expected full, <quest|moments|oracle>-p<P>-b<B>-<max|sum>-d<D>"
-                         f"[-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host[-<N>] or xattn-<T>, each "
-                         f"optionally ending in {FP8_SUFFIX}")
+                         f"[-lw][-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host[-<N>] or xattn-<T>, "
+                         f"each optionally ending in {FP8_SUFFIX}")
     fields = dict(sparse_policy=m["policy"].upper(), sparse_page_size=int(m["page"]),
                   sparse_dense_layers=int(m["dense"]),
                   sparse_sink_tokens=int(m["sink"]) if m["sink"] else sink_tokens,
@@ -154,6 +158,8 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
             raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
         if m["policy"] == "quest":
             fields["sparse_radius_weight"] = QUEST_BOUND if m["weight"] is None else float(m["weight"])
+        if m["by_layer"]:
+            fields["by_layer"] = True
     if m["host"]:
         fields.update(enable_offload=True)
     return fields
@@ -202,15 +208,25 @@ def block_size(name: str, length: int, default: int) -> int:
 
 
 def make_settings(name: str, length: int, tasks: list[str], num_samples: int, block: int, sink: int, recent: int,
-                  device: str = "auto", gpu_memory_utilization: float | None = None) -> RulerSettings:
+                  device: str = "auto", gpu_memory_utilization: float | None = None,
+                  layer_weights: list[float] | None = None) -> RulerSettings:
     """The validated evaluation of ``name`` at ``length`` (all ``num_samples`` samples of a task
     batched). A QUEST / ORACLE ``-host`` setting's reuse cache gets the engine's default cells per pick
     (``DEFAULT_ROWS_PER_PICK`` per picked page and KV head) for each batched sequence, so that the
-    reuse rate measures how much consecutive steps' picks overlap, not the cache's size."""
+    reuse rate measures how much consecutive steps' picks overlap, not the cache's size. A ``-lw``
+    setting reads ``layer_weights`` (``sparse_layer_budget_weights``).
+
+    Raises:
+        ValueError: a bad setting, or a ``-lw`` setting without ``layer_weights``.
+    """
     fields = {k: v for k, v in setting_fields(name, sink, recent).items() if k != "blocks"}
+    if fields.pop("by_layer", False):
+        if layer_weights is None:
+            raise ValueError(f"setting {name!r} shares its budget by layer: give --layer-budget-weights")
+        fields["sparse_layer_budget_weights"] = tuple(layer_weights)
     if "sparse_token_budget" in fields and fields.get("enable_offload"):
-        page = fields["sparse_page_size"]
-        picks = math.ceil(fields["sparse_token_budget"] / page) * page  # QuestPolicy.decode_pick_limit
+        picks = policy_class(fields["sparse_policy"]).decode_pick_limit(
+            SimpleNamespace(**{"sparse_layer_budget_weights": None, **fields}))
         fields["num_reuse_cache_blocks"] = math.ceil(DEFAULT_ROWS_PER_PICK * picks * num_samples / block)
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
                              max_num_seqs=num_samples, block_size=block, device=device,
@@ -278,7 +294,8 @@ def _line(name: str, length: int, report, seconds: float, samples: dict, options
 
 
 def run_setting(model: str, name: str, samples: dict, num_samples: int, default_block: int, sink: int, recent: int,
-                device: str = "auto", gpu_memory_utilization: float | None = None):
+                device: str = "auto", gpu_memory_utilization: float | None = None,
+                layer_weights: list[float] | None = None):
     """Setting ``name`` at every length, the longest first; one engine per block size (so one for
     all but ``full-host-N``), sized for its longest length. Yields the JSON line of each length in
     turn (see the module docstring)."""
@@ -287,14 +304,14 @@ def run_setting(model: str, name: str, samples: dict, num_samples: int, default_
     for block in dict.fromkeys(block_size(name, n, default_block) for n in lengths):
         group = [n for n in lengths if block_size(name, n, default_block) == block]
         settings = make_settings(name, group[0], tasks, num_samples, block, sink, recent, device,
-                                 gpu_memory_utilization)
+                                 gpu_memory_utilization, layer_weights)
         llm = LLM(model, **settings.engine_kwargs())
         try:
             options = sparse_options(llm)
             for length in group:
                 t0 = time.perf_counter()
                 report = run_ruler(llm, make_settings(name, length, tasks, num_samples, block, sink, recent, device,
-                                                      gpu_memory_utilization), samples[length])
+                                                      gpu_memory_utilization, layer_weights), samples[length])
                 yield _line(name, length, report, time.perf_counter() - t0, samples[length], options)
         finally:
             llm.shutdown()
@@ -325,7 +342,8 @@ def run_here(args) -> list[str]:
     for name in args.settings:
         try:
             for line in run_setting(args.model, name, samples, args.num_samples, args.block_size, args.sink_tokens,
-                                    args.recent_tokens, args.device, args.gpu_memory_utilization):
+                                    args.recent_tokens, args.device, args.gpu_memory_utilization,
+                                    args.layer_weights):
                 _write(args.out, line)
         except Exception as err:  # record it; the other settings go on
             _write(args.out, {"setting": name, "error": f"{type(err).__name__}: {err}"})
@@ -346,7 +364,8 @@ def job_argv(args, names: list[str], samples: str, out: str, utilization: float)
             "--tasks", ",".join(args.tasks), "--settings", ",".join(names),
             "--sink-tokens", str(args.sink_tokens), "--recent-tokens", str(args.recent_tokens),
             "--block-size", str(args.block_size), "--device", args.device,
-            "--gpu-memory-utilization", f"{utilization:.4f}", "--out", out, "--no-table"]
+            "--gpu-memory-utilization", f"{utilization:.4f}", "--out", out, "--no-table",
+            *(("--layer-budget-weights", args.layer_budget_weights) if args.layer_budget_weights else ())]
 
 
 def run_in_jobs(args) -> list[str]:
@@ -565,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sparse_sink_tokens of every QUEST / STREAMING row (default {DEFAULT_SINK_TOKENS})")
     p.add_argument("--recent-tokens", type=int, default=DEFAULT_RECENT_TOKENS,
                    help=f"sparse_recent_tokens of every QUEST / STREAMING row (default {DEFAULT_RECENT_TOKENS})")
+    p.add_argument("--layer-budget-weights", metavar="JSON",
+                   help="the weights of the -lw settings: benchmarks/layer_budgets.py's report (its \"weights\")")
     p.add_argument("--block-size", type=int, default=1024,
                    help="KV block tokens of every setting but full-host-N (default 1024)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -597,6 +618,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--num-samples must be >= 1 and every length > {ANSWER_ROOM}")
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    args.layer_weights = None
+    if args.layer_budget_weights:
+        with open(args.layer_budget_weights) as f:
+            args.layer_weights = json.load(f)["weights"]
     if args.settings is None:
         args.settings = grid(args.policies, args.page_sizes, args.budgets, args.group_scores, args.dense_layers,
                              args.design, args.sink_tokens, args.recent_tokens, args.host_tier, args.radius_weights)
@@ -604,7 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.settings:  # every setting's options, checked before any model is loaded
         try:
             make_settings(name, longest, args.tasks, args.num_samples, block_size(name, longest, args.block_size),
-                          args.sink_tokens, args.recent_tokens, args.device, args.gpu_memory_utilization)
+                          args.sink_tokens, args.recent_tokens, args.device, args.gpu_memory_utilization,
+                          args.layer_weights)
         except ValueError as err:
             p.error(f"setting {name}: {err}")
     if args.list:

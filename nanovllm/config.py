@@ -178,6 +178,11 @@ class Config:
             per KV head; 16, 32 or 64, dividing ``kvcache_block_size``.
         sparse_token_budget: QUEST: tokens each KV head reads per decode step besides the
             always-read ones (rounded up to whole pages), >= 1.
+        sparse_layer_budget_weights: QUEST: None (default: every layer reads
+            ``sparse_token_budget``) or one positive weight per layer (``num_hidden_layers``):
+            layer ``l`` reads ``sparse_token_budget x w[l] / mean(w)`` tokens per KV head, so the
+            layers share the same total reads unequally (``nanovllm.sparse.choosing.layer_budget_pages``;
+            fitted per model by ``python -m benchmarks.layer_budgets``).
         sparse_sink_tokens, sparse_recent_tokens: QUEST / STREAMING: the first tokens (attention
             sinks) and the last tokens before the page being written, which every decode step reads
             (rounded up to whole pages), in [0, max_model_len].
@@ -240,6 +245,7 @@ class Config:
     sparse_policy: str = "FULL"
     sparse_page_size: int = 16
     sparse_token_budget: int = DEFAULT_TOKEN_BUDGET
+    sparse_layer_budget_weights: tuple[float, ...] | None = None
     sparse_sink_tokens: int = 16
     sparse_recent_tokens: int = 256
     sparse_dense_layers: int = 0

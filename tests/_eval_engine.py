@@ -16,7 +16,8 @@ from nanovllm.sparse import DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = ("enable_offload", "num_ring_slots", "num_gpu_kv_blocks", "block_size", "sparse_policy",
                  "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens", "sparse_recent_tokens",
-                 "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight", "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
+                 "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight", "sparse_layer_budget_weights",
+                 "sparse_topk_blocks", "sparse_threshold", "sparse_stride",
                  "num_cpu_blocks", "num_reuse_cache_blocks", "device", "dtype", "kv_cache_dtype", "enforce_eager",
                  "gpu_memory_utilization")
 
@@ -45,6 +46,7 @@ class EngineSettings:
     sparse_dense_layers: int = 0  # QUEST / STREAMING: the first layers read everything
     sparse_group_score: str = DEFAULT_GROUP_SCORE  # QUEST: "sum" or "max" over a KV head's query heads
     sparse_radius_weight: float = DEFAULT_RADIUS_WEIGHT  # QUEST: 1.0 the key bound, 0.0 the key box's center
+    sparse_layer_budget_weights: tuple[float, ...] | None = None  # QUEST: the budget's share per layer (the engine checks)
     sparse_topk_blocks: int | None = None  # deprecated: sparse_token_budget = it x block_size (the engine warns)
     sparse_threshold: float = 0.97
     sparse_stride: int = 8
@@ -152,6 +154,7 @@ class EngineSettings:
                   sparse_token_budget=self.sparse_token_budget, sparse_sink_tokens=self.sparse_sink_tokens,
                   sparse_recent_tokens=self.sparse_recent_tokens, sparse_dense_layers=self.sparse_dense_layers,
                   sparse_group_score=self.sparse_group_score, sparse_radius_weight=self.sparse_radius_weight,
+                  sparse_layer_budget_weights=self.sparse_layer_budget_weights,
                   sparse_threshold=self.sparse_threshold, sparse_stride=self.sparse_stride)
         if self.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
@@ -169,6 +172,14 @@ class EngineSettings:
             if self.num_reuse_cache_blocks is not None:
                 kw.update(num_reuse_cache_blocks=self.num_reuse_cache_blocks)
         return kw
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    """``--sparse-layer-budget-weights``: comma-separated numbers."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _not_int(value) -> bool:
@@ -213,6 +224,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_cpu_blocks_help: s
     p.add_argument("--sparse-radius-weight", type=float, default=d["sparse_radius_weight"],
                    help=f"QUEST: weight of a page's key radius in its score, in [0, 1]: 1.0 Quest's bound, 0.0 "
                         f"the key box's center (default {d['sparse_radius_weight']})")
+    p.add_argument("--sparse-layer-budget-weights", type=_weights, default=None,
+                   help="QUEST: comma-separated weights, one per layer: layer l reads --sparse-token-budget x "
+                        "w[l] / mean(w) (fitted by python -m benchmarks.layer_budgets; default: the same at every layer)")
     p.add_argument("--sparse-topk-blocks", type=int, default=None,
                    help="deprecated: --sparse-token-budget = this x --block-size")
     p.add_argument("--num-reuse-cache-blocks", type=int, default=None,

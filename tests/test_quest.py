@@ -3,6 +3,7 @@ the key min/max bound, the scoring kernel against its reference (under Triton's 
 bfloat16 on the GPU in tests/gpu/test_quest_gpu.py), the per-head choice, its metadata across
 tiers, the options, STREAMING, tensor parallelism (equality with FULL when every page is picked:
 tests/test_tiers.py; the reuse cache: tests/test_reuse.py)."""
+import math
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ from nanovllm.ops import quest_scores
 from nanovllm.ops.quest_scores import (box_scores, box_scores_ref, page_bounds, page_bounds_ref, page_scores,
                                       page_scores_ref, top_pages, top_pages_ref)
 from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
-from nanovllm.sparse.choosing import ChoosingPolicy
+from nanovllm.sparse.choosing import ChoosingPolicy, layer_budget_pages
 
 
 def _keys_and_bounds(pages, page_size, heads_kv, dim, seed=0):
@@ -232,6 +233,48 @@ def test_a_sequence_selects_only_with_more_candidates_than_its_budget():
     assert StreamingPolicy(0.25, 16, 16, 16).budget_pages == 0
 
 
+def test_layer_weights_share_the_same_total_budget():
+    """Layer l reads budget x w[l] / mean(w) tokens (whole pages, at least one); equal weights are
+    the uniform budget; a sequence selects once some layer has fewer picks than candidates."""
+    assert layer_budget_pages(64, 16, (1, 3), 2) == (2, 6)  # 128 tokens: 32 and 96
+    assert layer_budget_pages(40, 16, [0.1] * 3, 3) == (3, 3, 3) == (math.ceil(40 / 16),) * 3
+    assert layer_budget_pages(64, 16, (1e-6, 1.0), 2) == (1, 8)
+    policy = _policy(budget_tokens=48, layer_weights=(1, 2))  # 32 and 64 tokens: 2 and 4 pages
+    assert [policy.budget_at(layer) for layer in range(2)] == [2, 4] and policy.budget_pages == 4
+    assert not policy.selects(3 + 2) and policy.selects(3 + 3)
+    assert _policy(budget_tokens=48).budget_at(1) == 3
+    for bad, match in (((1, 2, 3), r"sequence of num_hidden_layers=2 weights, got \(1, 2, 3\)"),
+                       ("12", "sequence of num_hidden_layers=2"), (5, "sequence of num_hidden_layers=2"),
+                       ((1, 0), r"sparse_layer_budget_weights\[1\] must be a finite number > 0, got 0"),
+                       ((1, float("nan")), r"\[1\] must be a finite number > 0"), ((True, 1), r"\[0\]")):
+        with pytest.raises(ValueError, match=match):
+            layer_budget_pages(64, 16, bad, 2)
+
+
+def test_density_counts_each_layers_budget(qwen3_dir):
+    """With weights (1, 3) over 2 layers and 32 tokens per KV head, layer 0 picks 1 page and
+    layer 1 picks 3 besides the 3 fixed pages: the same total reads as 2 pages at each layer,
+    counted per layer; equal weights read and decode what no weights do."""
+    prompt = random_prompt(600, seed=7)
+    opts = dict(sparse_policy="QUEST", sparse_token_budget=32, sparse_sink_tokens=16, sparse_recent_tokens=16)
+    runs = {}
+    for weights in (None, (1.0, 3.0), (2.0, 2.0)):
+        with build_llm(qwen3_dir, **opts, sparse_layer_budget_weights=weights) as llm:
+            out = llm.generate([prompt], greedy(3), use_tqdm=False)[0]["token_ids"]
+            stats = llm.get_sparse_stats()
+        per_layer = [row["density"] for row in stats["decode"]["per_layer"]]
+        runs[weights] = out, stats["decode"]["read_tokens"], per_layer
+    lengths = (601, 602)  # the decode steps' lengths
+
+    def density(pages):
+        return sum(pages * 16 - (-n % 16) for n in lengths) / sum(lengths)
+
+    assert runs[(1.0, 3.0)][1] == runs[None][1] == sum(2 * (5 * 16 - (-n % 16)) for n in lengths)
+    assert runs[(1.0, 3.0)][2] == pytest.approx([density(3 + 1), density(3 + 3)])
+    assert runs[None][2] == pytest.approx([density(5)] * 2)
+    assert runs[(2.0, 2.0)] == runs[None]
+
+
 def test_options_are_checked(qwen3_dir):
     from nanovllm.config import Config
 
@@ -247,6 +290,9 @@ def test_options_are_checked(qwen3_dir):
                        (dict(sparse_group_score="mean"), "sparse_group_score must be one of"),
                        (dict(sparse_radius_weight=-0.5), r"sparse_radius_weight must be a number in \[0, 1\]"),
                        (dict(sparse_radius_weight=0.5), None),
+                       (dict(sparse_layer_budget_weights=(1, 2, 3)), "sequence of num_hidden_layers=2 weights"),
+                       (dict(sparse_layer_budget_weights=(1, -2)), r"sparse_layer_budget_weights\[1\] must be"),
+                       (dict(sparse_layer_budget_weights=[1, 2]), None),
                        (dict(sparse_topk_blocks=2, sparse_token_budget=100), "both set the budget")):
         if match is None:
             Config(qwen3_dir, **quest, **bad)
@@ -261,6 +307,8 @@ def test_options_are_checked(qwen3_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Config(qwen3_dir, sparse_policy="STREAMING")
+    with pytest.raises(ValueError, match="sparse_layer_budget_weights=.* is read by sparse_policy="):
+        Config(qwen3_dir, sparse_policy="STREAMING", sparse_layer_budget_weights=(1, 1))
 
 
 def test_streaming_reads_sinks_and_the_recent_window(qwen3_dir):
@@ -310,6 +358,20 @@ def test_quest_tensor_parallel_selects_like_tp1(llama_tied_dir):
     with build_llm(llama_tied_dir, tensor_parallel_size=2, **opts) as tp2:
         out = [o["token_ids"] for o in tp2.generate(prompts, greedy(30), use_tqdm=False)]
     assert out == ref
+
+
+def test_budgets_by_layer_covering_the_context_equal_full(qwen3_dir, monkeypatch):
+    """Every sequence choosing, with each layer's budget (1,024 and 3,072 tokens) over its
+    candidates: QUEST picks them all at each layer and gives FULL's tokens and logits."""
+    monkeypatch.setattr(ChoosingPolicy, "selects", lambda self, num_pages: num_pages > self.num_fixed_pages)
+    prompts = [random_prompt(n, seed=600 + n) for n in (300, 700)]
+    with build_llm(qwen3_dir) as full:
+        ref = generate_with_logits(full, prompts, 6)
+    with build_llm(qwen3_dir, sparse_policy="QUEST", sparse_token_budget=2048,
+                   sparse_layer_budget_weights=(1, 3)) as llm:
+        got = generate_with_logits(llm, prompts, 6)
+        assert llm.get_sparse_stats()["decode"]["density"] == 1.0
+    assert got[0] == ref[0] and all((a - b).abs().max() <= 1e-5 for a, b in zip(got[1], ref[1]))
 
 
 def test_quest_with_prefix_cache_hits_equals_full(qwen3_dir, monkeypatch):

@@ -335,7 +335,7 @@ def test_sparse_options_reach_the_engine():
     ours = {f.name: f.default for f in dataclasses.fields(RulerSettings)}
     for name in ("sparse_policy", "sparse_page_size", "sparse_token_budget", "sparse_sink_tokens",
                  "sparse_recent_tokens", "sparse_dense_layers", "sparse_group_score", "sparse_radius_weight",
-                 "sparse_topk_blocks", "sparse_threshold", "sparse_stride"):
+                 "sparse_layer_budget_weights", "sparse_topk_blocks", "sparse_threshold", "sparse_stride"):
         assert ours[name] == defaults[name], name
 
     model = fetch_model()
@@ -360,6 +360,12 @@ def test_sparse_options_reach_the_engine():
         warnings.simplefilter("always")
         cfg = Config(model, **settings.engine_kwargs())
     assert cfg.sparse_token_budget == 3 * 1024 and any("sparse_topk_blocks" in str(w.message) for w in caught)
+    layers = cfg.hf_config.num_hidden_layers
+    weights = ",".join(["1"] * (layers - 1) + ["2.5"])
+    args = build_parser().parse_args(["--tasks", "vt", "--sparse-policy", "quest", "--device", "cpu",
+                                      "--sparse-layer-budget-weights", weights])
+    cfg = Config(model, **RulerSettings(tasks=args.tasks, **engine_fields(args)).engine_kwargs())
+    assert cfg.sparse_layer_budget_weights == (1.0,) * (layers - 1) + (2.5,)
 
 
 @pytest.mark.parametrize("sparse", [[], ["--block-size", "256", "--sparse-policy", "QUEST", "--sparse-token-budget",

@@ -47,6 +47,17 @@ def test_setting_names_parse_and_reject():
                                 device="cpu")
     assert settings.kv_cache_dtype == "fp8_e4m3" and settings.num_reuse_cache_blocks == 4, "reuse cells for its picks"
     assert settings.engine_kwargs()["kv_cache_dtype"] == "fp8_e4m3"
+    by_layer = rs.setting_fields("quest-p16-b2048-sum-w0.5-d0-lw-s16-r32-host")
+    assert by_layer == rs.setting_fields("quest-p16-b2048-sum-w0.5-d0-s16-r32-host") | {"by_layer": True}
+    with pytest.raises(ValueError, match="shares its budget by layer: give --layer-budget-weights"):
+        rs.make_settings("quest-p16-b2048-sum-d0-lw", 4096, ["niah_single_1"], 2, 1024, 16, 256, device="cpu")
+    with pytest.raises(ValueError, match="unknown setting 'streaming-p16-d0-lw'"):
+        rs.setting_fields("streaming-p16-d0-lw")
+    # the reuse cells hold the largest layer budget's picks: 3 x 1024 x 2 / (1 + 3) tokens = 3 blocks
+    settings = rs.make_settings("quest-p16-b1024-max-d0-lw-host", 4096, ["niah_single_1"], 2, 1024, 16, 256,
+                                device="cpu", layer_weights=[1.0, 3.0])
+    assert settings.num_reuse_cache_blocks == 2 * 1536 * 2 // 1024
+    assert settings.engine_kwargs()["sparse_layer_budget_weights"] == (1.0, 3.0)
 
 
 def test_grid_starts_at_the_engine_defaults_and_names_round_trip():
@@ -108,6 +119,10 @@ def test_job_argv_carries_the_sweep_options(tmp_path):
         assert getattr(child, name) == getattr(args, name), name
     assert child.settings == ["full", "streaming-p16-d0"] and child.samples == "s.pt" and child.out == "out.job1"
     assert child.gpu_memory_utilization == pytest.approx(0.2) and child.jobs == 1 and child.no_table
+    assert child.layer_budget_weights is None
+    args.layer_budget_weights = "weights.json"
+    child = rs.build_parser().parse_args(rs.job_argv(args, ["quest-p16-b2048-sum-d0-lw"], "s.pt", "o", 0.2)[3:])
+    assert child.layer_budget_weights == "weights.json"
 
 
 def test_sweep_in_jobs_merges_the_jobs_lines_in_settings_order(tmp_path, monkeypatch, capsys):

@@ -349,7 +349,8 @@ class KVCache:
         available = 0 if self.host is None else selection.num_host_blocks * self.host.layer_block_bytes
         self._graph_counts_pending = self.host is not None
         for layer in range(self.geometry.num_layers):
-            self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks), selection.context_tokens)
+            self.stats.add_reads(layer, selection.read_tokens(layer, selection.num_picks(layer)),
+                                 selection.context_tokens)
             if self.host is not None:
                 self.stats.add_comm(layer, False, 0, available)
 

@@ -106,7 +106,7 @@ class DecodeSelection:
         self.candidates = DecodeCandidates(choosing, cand, first, num_kv_heads)
         self.rows = rows
         self.num_fixed = num_fixed
-        self.reads = num_fixed + policy.budget_pages  # the most pages a choosing (row, head) reads per layer
+        self.reads = num_fixed + policy.budget_pages  # the most pages a choosing (row, head) reads at a layer
         self.choose_free = to_device([free[r] for r in choosing], torch.int32, device)
         self._choose_free, self._lengths = [free[r] for r in choosing], lengths
         # the rows that read everything: their GPU pages, compacted (host pages read through the ring)
@@ -195,7 +195,7 @@ class DecodeSelection:
     @property
     def _nothing_free(self) -> int:
         """A row's unwritten tokens that make it read nothing (its length 0): all its reads'."""
-        return (self.num_fixed + self.num_picks) * self.page_size
+        return (self.num_fixed + self.most_picks) * self.page_size
 
     @classmethod
     def build(cls, policy: SparsePolicy, tables: list[tuple[list[int], list[int], int]], layout: TierRows,
@@ -246,9 +246,13 @@ class DecodeSelection:
                  to_device([choosing[s] for s in g] + (others if i == 0 else []), torch.int64, self.device))
                 for i, g in enumerate(groups)]
 
+    def num_picks(self, layer: int) -> int:
+        """Picks per choosing (row, KV head) at ``layer``: its budget, or every candidate if fewer."""
+        return min(self.policy.budget_at(layer), self.candidates.pages.shape[1])
+
     @property
-    def num_picks(self) -> int:
-        """Picks per choosing (row, KV head) and layer: the budget, or every candidate if fewer."""
+    def most_picks(self) -> int:
+        """The most picks per choosing (row, KV head) at any layer."""
         return min(self.policy.budget_pages, self.candidates.pages.shape[1])
 
     def reset_plans(self) -> None:

@@ -5,8 +5,13 @@ The always-read pages follow StreamingLLM (Xiao et al., "Efficient Streaming Lan
 Attention Sinks", ICLR 2024): the first tokens collect attention whatever the query, the recent
 ones carry the local context (for a prompt, its question and the answer so far). Each is rounded
 up to whole pages; the reads are counted in the decode density.
+
+The budget may differ by layer (:func:`layer_budget_pages`): a layer's share of the same total
+reads, as in PyramidKV (Cai et al., 2024) and Ada-KV (Feng et al., 2024), here with weights
+calibrated once per model (``benchmarks/layer_budgets.py``).
 """
 import math
+from numbers import Real
 
 from nanovllm.sparse.policy import SparsePolicy
 from nanovllm.utils.checks import check_range
@@ -20,7 +25,9 @@ class ChoosingPolicy(SparsePolicy):
 
     Args: scale; page_size (tokens per page, in :data:`PAGE_SIZES`); budget_tokens (picks per KV
     head and step, rounded up to whole pages; 0: none); sink_tokens, recent_tokens (always read,
-    rounded up to whole pages); dense_layers (the first layers read every page).
+    rounded up to whole pages); dense_layers (the first layers read every page); layer_weights
+    (None: every layer reads ``budget_tokens``; else one positive weight per layer,
+    :func:`layer_budget_pages`).
 
     Raises:
         ValueError: a value out of range (see :meth:`check_options`).
@@ -30,7 +37,7 @@ class ChoosingPolicy(SparsePolicy):
     options = ("sparse_page_size", "sparse_sink_tokens", "sparse_recent_tokens", "sparse_dense_layers")
 
     def __init__(self, scale: float, page_size: int, budget_tokens: int, sink_tokens: int, recent_tokens: int,
-                 dense_layers: int):
+                 dense_layers: int, layer_weights=None):
         super().__init__(scale)
         if page_size not in PAGE_SIZES:
             raise ValueError(f"sparse_page_size must be one of {PAGE_SIZES}, got {page_size!r}")
@@ -39,6 +46,9 @@ class ChoosingPolicy(SparsePolicy):
             check_range(name, value, 0)
         self.page_size = page_size
         self.budget_pages = math.ceil(budget_tokens / page_size)
+        if layer_weights is not None:
+            self.layer_budget_pages = layer_budget_pages(budget_tokens, page_size, layer_weights, len(layer_weights))
+            self.budget_pages = max(self.layer_budget_pages)
         self.sink_pages, self.recent_pages = math.ceil(sink_tokens / page_size), math.ceil(recent_tokens / page_size)
         self.dense_layers = dense_layers
 
@@ -59,3 +69,24 @@ class ChoosingPolicy(SparsePolicy):
     def decode_fixed_tokens(cls, config) -> int:
         page = config.sparse_page_size
         return (math.ceil(config.sparse_sink_tokens / page) + math.ceil(config.sparse_recent_tokens / page) + 1) * page
+
+
+def layer_budget_pages(budget_tokens: int, page_size: int, weights, num_layers: int) -> tuple[int, ...]:
+    """Each layer's picks per KV head and step (pages) when the layers share ``num_layers x
+    budget_tokens`` by ``weights``: layer ``l`` reads ``budget_tokens x weights[l] / mean(weights)``
+    tokens, rounded up to whole pages (at least one). Equal weights give every layer
+    ``ceil(budget_tokens / page_size)``.
+
+    Raises:
+        ValueError: ``weights`` (``sparse_layer_budget_weights``) not a sequence of ``num_layers``
+            finite positive numbers, naming the value.
+    """
+    name = "sparse_layer_budget_weights"
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or len(weights) != num_layers:
+        raise ValueError(f"{name} must be a sequence of num_hidden_layers={num_layers} weights, got {weights!r}")
+    for layer, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"{name}[{layer}] must be a finite number > 0, got {weight!r}")
+    total = math.fsum(weights)
+    return tuple(max(1, math.ceil(budget_tokens * weight * num_layers / total / page_size - 1e-9))
+                 for weight in weights)

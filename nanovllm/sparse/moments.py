@@ -56,4 +56,4 @@ class MomentsPolicy(QuestPolicy):
         logits = page_bounds(q, mean, mean, candidates.pages)  # q . mu
         spread = page_bounds(q * q, var, var, candidates.pages)  # q^2 . var
         logits = logits + spread * (0.5 * self.scale)  # in page_bounds' units; -inf stays -inf
-        return top_pages(page_scores(logits, self.scale, mean.shape[1], self.group_score), self.budget_pages)
+        return top_pages(page_scores(logits, self.scale, mean.shape[1], self.group_score), self.budget_at(layer))

@@ -57,4 +57,4 @@ class OraclePolicy(QuestPolicy):
         logits = torch.einsum("scphd,shgd->scphg", keys.float(), qg) * self.scale
         page_logits = logits.logsumexp(2).flatten(2) / self.scale  # [S, C, Hq], in page_bounds' units
         page_logits.masked_fill_((candidates.pages < 0)[..., None], float("-inf"))
-        return top_pages(page_scores(page_logits, self.scale, heads_kv, self.group_score), self.budget_pages)
+        return top_pages(page_scores(page_logits, self.scale, heads_kv, self.group_score), self.budget_at(layer))

@@ -9,7 +9,7 @@ The attention pipeline (``nanovllm/kvcache/tiered_attention.py``) asks the engin
   :attr:`~SparsePolicy.sink_pages` pages (attention sinks) and its last
   :attr:`~SparsePolicy.recent_pages` pages before the page being written, and that page
   (:meth:`SparsePolicy.fixed_pages`); :meth:`SparsePolicy.select_decode_pages` picks up to
-  :attr:`~SparsePolicy.budget_pages` of the other pages (the *candidates*) per KV head, with the
+  :meth:`~SparsePolicy.budget_at` of the other pages (the *candidates*) per KV head, with the
   layer's query, as a device tensor the pipeline consumes on the device. A sequence with no more
   candidates than the budget (:meth:`SparsePolicy.selects`), and every sequence at the first
   :attr:`~SparsePolicy.dense_layers` layers, reads everything.
@@ -142,7 +142,11 @@ class SparsePolicy:
     """Tokens per page of a choosing policy (a divisor of the KV block size)."""
     sink_pages = recent_pages = budget_pages = dense_layers = 0
     """A choosing policy's always-read pages (the first ``sink_pages``; the ``recent_pages`` before
-    the page being written), its picks per KV head and step, and the first layers it reads whole."""
+    the page being written), its most picks per KV head and step at a layer, and the first layers
+    it reads whole."""
+    layer_budget_pages: tuple[int, ...] | None = None
+    """Picks per KV head and step of each layer when they differ by layer (None: ``budget_pages``
+    at every layer); :meth:`budget_at`."""
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -203,10 +207,16 @@ class SparsePolicy:
         context k ``[Sk, Hkv, D]`` (the chunk is the last ``Sq`` keys); None: dense."""
         return None
 
+    def budget_at(self, layer: int) -> int:
+        """Picks per KV head and step at ``layer`` (pages)."""
+        return self.budget_pages if self.layer_budget_pages is None else self.layer_budget_pages[layer]
+
     def selects(self, num_pages: int) -> bool:
         """Whether a decode step over a context of ``num_pages`` pages reads fewer than all of them
-        (more candidates than :attr:`budget_pages`)."""
-        return self.chooses_decode_pages and num_pages - self.num_fixed_pages > self.budget_pages
+        at some layer (more candidates than the smallest :meth:`budget_at`; a layer whose budget
+        holds every candidate picks them all)."""
+        fewest = self.budget_pages if self.layer_budget_pages is None else min(self.layer_budget_pages)
+        return self.chooses_decode_pages and num_pages - self.num_fixed_pages > fewest
 
     @property
     def num_fixed_pages(self) -> int:
@@ -226,7 +236,7 @@ class SparsePolicy:
             q: ``[S, Hq, D]``, the queries of ``candidates.rows``.
 
         Returns:
-            int64 ``[S, Hkv, k]`` on q's device, ``k = min(budget_pages, C)`` (C: the candidates'
+            int64 ``[S, Hkv, k]`` on q's device, ``k = min(budget_at(layer), C)`` (C: the candidates'
             columns; the engine counts a step's reads and pads CUDA-graph rows by it): columns of
             ``candidates.pages`` (distinct per row and head), -1 for no pick. Default: none (a
             policy without picks has ``budget_pages`` 0).

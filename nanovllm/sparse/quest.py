@@ -9,7 +9,8 @@ when it is loaded into the GPU tier. Per layer, every KV head scores its candida
 query heads' upper bounds of ``q . k`` (optionally shrunk towards the key box's center by
 ``radius_weight``; each head's bounds as a softmax over the candidates,
 combined over the GQA group by ``group_score``: "max" or "sum"; ``nanovllm.ops.quest_scores``)
-and reads its ``budget_pages`` best, besides the sink, recent and current pages every sequence
+and reads its ``budget_at(layer)`` best (the same at every layer unless weighted by layer,
+``choosing.layer_budget_pages``), besides the sink, recent and current pages every sequence
 reads (``choosing.py``). Each rank of a tensor-parallel engine chooses for its own KV heads, so no scores are exchanged. Prefill is dense.
 """
 import math
@@ -17,7 +18,7 @@ import math
 import torch
 
 from nanovllm.ops.quest_scores import COMBINES, box_scores, page_scores, top_pages
-from nanovllm.sparse.choosing import ChoosingPolicy
+from nanovllm.sparse.choosing import ChoosingPolicy, layer_budget_pages
 from nanovllm.sparse.policy import DecodeCandidates, register_policy
 from nanovllm.utils.checks import check_range
 
@@ -38,25 +39,28 @@ class QuestPolicy(ChoosingPolicy):
     """Args: as :class:`~nanovllm.sparse.choosing.ChoosingPolicy`, and group_score ("max" or "sum":
     how a KV head combines its query heads' page shares), radius_weight (in [0, 1]: 1.0 scores a
     page by Quest's upper bound, less shrinks the bound towards the key box's center;
-    :func:`~nanovllm.ops.quest_scores.box_scores`).
+    :func:`~nanovllm.ops.quest_scores.box_scores`), layer_weights (the budget's share per layer,
+    :func:`~nanovllm.sparse.choosing.layer_budget_pages`; None: the same budget at every layer).
 
     Raises:
         ValueError: a value out of range (budget_tokens < 1, group_score not "max" or "sum",
-            radius_weight outside [0, 1], as :class:`ChoosingPolicy`).
+            radius_weight outside [0, 1], bad layer weights, as :class:`ChoosingPolicy`).
     """
 
     name = "QUEST"
-    options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_group_score", "sparse_radius_weight")
+    options = ChoosingPolicy.options + ("sparse_token_budget", "sparse_layer_budget_weights", "sparse_group_score",
+                                        "sparse_radius_weight")
     needs_block_metadata = True
 
     def __init__(self, scale: float, page_size: int = 16, budget_tokens: int = DEFAULT_TOKEN_BUDGET,
                  sink_tokens: int = 16, recent_tokens: int = 256, dense_layers: int = 0,
-                 group_score: str = DEFAULT_GROUP_SCORE, radius_weight: float = DEFAULT_RADIUS_WEIGHT):
+                 group_score: str = DEFAULT_GROUP_SCORE, radius_weight: float = DEFAULT_RADIUS_WEIGHT,
+                 layer_weights=None):
         check_range("sparse_token_budget", budget_tokens, 1)
         if group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {group_score!r}")
         _check_radius_weight(radius_weight)
-        super().__init__(scale, page_size, budget_tokens, sink_tokens, recent_tokens, dense_layers)
+        super().__init__(scale, page_size, budget_tokens, sink_tokens, recent_tokens, dense_layers, layer_weights)
         self.group_score, self.radius_weight = group_score, float(radius_weight)
         self.kmin = self.kmax = None
         self.num_gpu_blocks = 0
@@ -65,6 +69,9 @@ class QuestPolicy(ChoosingPolicy):
     def check_options(cls, config) -> None:
         super().check_options(config)
         check_range("sparse_token_budget", config.sparse_token_budget, 1)
+        if config.sparse_layer_budget_weights is not None:
+            layer_budget_pages(config.sparse_token_budget, config.sparse_page_size, config.sparse_layer_budget_weights,
+                               config.hf_config.num_hidden_layers)
         if config.sparse_group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {config.sparse_group_score!r}")
         _check_radius_weight(config.sparse_radius_weight)
@@ -73,11 +80,14 @@ class QuestPolicy(ChoosingPolicy):
     def from_config(cls, config, scale: float) -> "QuestPolicy":
         return cls(scale, config.sparse_page_size, config.sparse_token_budget, config.sparse_sink_tokens,
                    config.sparse_recent_tokens, config.sparse_dense_layers, config.sparse_group_score,
-                   config.sparse_radius_weight)
+                   config.sparse_radius_weight, config.sparse_layer_budget_weights)
 
     @classmethod
     def decode_pick_limit(cls, config) -> int:
-        return math.ceil(config.sparse_token_budget / config.sparse_page_size) * config.sparse_page_size
+        weights = config.sparse_layer_budget_weights
+        pages = (math.ceil(config.sparse_token_budget / config.sparse_page_size) if weights is None else
+                 max(layer_budget_pages(config.sparse_token_budget, config.sparse_page_size, weights, len(weights))))
+        return pages * config.sparse_page_size
 
     # ---- metadata ----------------------------------------------------------------------
     def metadata_bytes_per_block(self, num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -113,7 +123,7 @@ class QuestPolicy(ChoosingPolicy):
     def select_decode_pages(self, layer: int, q: torch.Tensor, candidates: DecodeCandidates) -> torch.Tensor:
         kmin, kmax = self.kmin[layer].flatten(0, 1), self.kmax[layer].flatten(0, 1)  # [metadata pages, Hkv, D]
         bounds = box_scores(q, kmin, kmax, candidates.pages, self.radius_weight)
-        return top_pages(page_scores(bounds, self.scale, kmin.shape[1], self.group_score), self.budget_pages)
+        return top_pages(page_scores(bounds, self.scale, kmin.shape[1], self.group_score), self.budget_at(layer))
 
 
 def _check_radius_weight(value) -> None:

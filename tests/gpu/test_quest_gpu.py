@@ -91,17 +91,19 @@ def test_cuda_decode_path_of_quest_equals_full_and_reuse_changes_only_traffic(qw
 
 
 @pytest.mark.parametrize("tiers", ["gpu", "host"])
-@pytest.mark.parametrize("policy", ["QUEST", "STREAMING"])
+@pytest.mark.parametrize("policy", ["QUEST", "QUEST-by-layer", "STREAMING"])
 def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy, tiers):
     """Every sequence choosing, GPU-only and with most of the KV on the host tier (the gather of
     host pages, the reuse cache and the staging pages captured too): the steps replayed from the
     choosing graphs (three sequences padded to 4) give the eager engine's tokens, logits (1e-4,
-    float32), reads and host traffic."""
+    float32), reads and host traffic; with budgets that differ by layer too."""
     prompts = [random_prompt(n, seed=90 + n) for n in (1500, 2000, 2900)]
-    opts = dict(max_model_len=3100, device="cuda", dtype="float32", max_num_seqs=4, sparse_policy=policy,
-                sparse_sink_tokens=16, sparse_recent_tokens=64)
-    if policy == "QUEST":
+    opts = dict(max_model_len=3100, device="cuda", dtype="float32", max_num_seqs=4,
+                sparse_policy=policy.split("-")[0], sparse_sink_tokens=16, sparse_recent_tokens=64)
+    if policy.startswith("QUEST"):
         opts["sparse_token_budget"] = 128
+    if policy == "QUEST-by-layer":
+        opts["sparse_layer_budget_weights"] = (1.0, 3.0)  # 64 and 192 tokens per KV head
     if tiers == "host":
         opts.update(enable_cpu_offload=True, num_kvcache_blocks=12, num_cpu_kvcache_blocks=40, num_ring_slots=2)
     with build_llm(qwen3_dir, enforce_eager=True, **opts) as llm:
@@ -121,6 +123,6 @@ def test_choosing_decode_captured_in_graphs_equals_eager(qwen3_dir, policy, tier
     assert reads["read_tokens"] == ref_reads["read_tokens"] and reads["density"] < 0.5
     if tiers == "host":
         # STREAMING reads its sinks (the first block) and its recent tokens (the last): both stay in the GPU tier
-        assert (ref_reads["loaded_host_bytes"] > 0) == (policy == "QUEST"), ref_reads["loaded_host_bytes"]
+        assert (ref_reads["loaded_host_bytes"] > 0) == (policy != "STREAMING"), ref_reads["loaded_host_bytes"]
         for key in ("loaded_host_bytes", "available_host_bytes", "read_host_pages", "reused_host_pages"):
             assert reads[key] == ref_reads[key], key
