@@ -13,12 +13,18 @@ sparse_layer_budget_weights=weights)`` scales them to its own ``sparse_token_bud
 With ``--cross-validate`` the samples of each task are split by index into two halves; the budgets
 are fitted on one half and scored on the other against ``--mean-budget`` at every layer (the paired
 difference of the mean recall ± its standard error over the held-out samples), both ways round.
+``--score WEIGHTS_JSON`` scores weights fitted elsewhere (another length, other samples: a report
+of this tool) on these samples the same way: each layer's budget ``--mean-budget x weight`` must be
+in the grid.
 
     python -m nanovllm.fetch qwen2.5-coder-0.5b        # the model, converted once (default --model)
     python -m benchmarks.layer_budgets --num-samples 2 --cross-validate --out layer_budgets.json
+    python -m benchmarks.layer_budgets --length 16384 --num-samples 1 --mean-budget 2944 \
+        --budgets 736,1472,2208,2944,4416,5888,8832 --score layer_budgets.json
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -89,6 +95,7 @@ def main(argv=None) -> None:
     p.add_argument("--mean-budget", type=int, default=512, help="tokens per KV head a layer reads on average")
     p.add_argument("--recent-tokens", type=int, default=256, help="the always-read recent window")
     p.add_argument("--cross-validate", action="store_true", help="fit on half the samples, score on the other")
+    p.add_argument("--score", metavar="JSON", help="also score the weights of this report against the uniform budget")
     args = p.parse_args(argv)
     from tools import ruler
 
@@ -97,6 +104,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"--mean-budget {args.mean_budget} must be one of --budgets {grid}")
     if args.cross_validate and args.num_samples < 2:
         raise SystemExit(f"--cross-validate needs --num-samples >= 2, got {args.num_samples}")
+    scored = None
+    if args.score:
+        with open(args.score) as f:
+            scored = [round(args.mean_budget * w) for w in json.load(f)["weights"]]
+        if not set(scored) <= set(grid):
+            raise SystemExit(f"--score's budgets {sorted(set(scored))} (--mean-budget x its weights) must be in --budgets {grid}")
     capture = Capture()
     model, tokenizer = load_model(args.model, capture)
     input_len = args.length - max(ruler.MAX_NEW_TOKENS.values())  # as benchmarks/ruler_sweep.py
@@ -118,6 +131,8 @@ def main(argv=None) -> None:
         report["cross_validation"] = [
             held_out(test, allocate(torch.stack(fit).mean(0), grid, total), grid, args.mean_budget)
             for fit, test in (halves, halves[::-1])]
+    if scored is not None:
+        report["scored"] = {"weights_from": args.score, **held_out(curves, scored, grid, args.mean_budget)}
     print_report(report, args.out)
 
 
