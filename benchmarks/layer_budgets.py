@@ -8,7 +8,10 @@ layer, the mean recall (over decode positions and query heads) at every budget o
 (the grid); a dynamic program then picks one grid budget per layer that maximises the summed mean
 recall over the fitting samples, the budgets adding up to ``num_layers x --mean-budget``. The
 weights are those budgets over ``--mean-budget`` (mean 1): ``LLM(..., sparse_policy="QUEST",
-sparse_layer_budget_weights=weights)`` scales them to its own ``sparse_token_budget``.
+sparse_layer_budget_weights=weights)`` scales them to its own ``sparse_token_budget`` (``weights =
+json.load(open(report))["weights"]``). They suit the model they were fitted on (its layer count), at
+the page size and recent window of the fit (16 tokens; ``--recent-tokens``); MOMENTS and ORACLE
+take them too, but the fit scores pages as QUEST does.
 
 With ``--cross-validate`` the samples of each task are split by index into two halves; the budgets
 are fitted on one half and scored on the other against ``--mean-budget`` at every layer (the paired
@@ -112,6 +115,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"--score's budgets {sorted(set(scored))} (--mean-budget x its weights) must be in --budgets {grid}")
     capture = Capture()
     model, tokenizer = load_model(args.model, capture)
+    if scored is not None and len(scored) != model.config.num_hidden_layers:
+        raise SystemExit(f"--score {args.score} has {len(scored)} weights; the model has "
+                         f"{model.config.num_hidden_layers} layers")
     input_len = args.length - max(ruler.MAX_NEW_TOKENS.values())  # as benchmarks/ruler_sweep.py
     curves, halves, start = [], ([], []), time.time()
     for task in args.tasks.split(","):

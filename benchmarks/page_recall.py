@@ -215,12 +215,14 @@ def study_parser(description: str, num_samples: int, budgets: str) -> argparse.A
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=str(default_dest("qwen2.5-coder-0.5b")),
                    help="the converted model (python -m nanovllm.fetch qwen2.5-coder-0.5b)")
-    p.add_argument("--tasks", default=TASKS)
-    p.add_argument("--num-samples", type=int, default=num_samples)
-    p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--budgets", default=budgets)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--tasks", default=TASKS, help=f"comma-separated RULER tasks (default {TASKS})")
+    p.add_argument("--num-samples", type=int, default=num_samples,
+                   help=f"samples per task (default {num_samples})")
+    p.add_argument("--length", type=int, default=8192, help="sequence length of the samples (default 8192)")
+    p.add_argument("--budgets", default=budgets,
+                   help=f"comma-separated tokens per KV head (default {budgets})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
+    p.add_argument("--out", default=None, help="also write the JSON report here")
     return p
 
 

@@ -226,7 +226,7 @@ def make_settings(name: str, length: int, tasks: list[str], num_samples: int, bl
         fields["sparse_layer_budget_weights"] = tuple(layer_weights)
     if "sparse_token_budget" in fields and fields.get("enable_offload"):
         picks = policy_class(fields["sparse_policy"]).decode_pick_limit(
-            SimpleNamespace(**{"sparse_layer_budget_weights": None, **fields}))
+            SimpleNamespace(**{"sparse_layer_budget_weights": None, "max_model_len": length, **fields}))
         fields["num_reuse_cache_blocks"] = math.ceil(DEFAULT_ROWS_PER_PICK * picks * num_samples / block)
     settings = RulerSettings(tasks=tasks, num_samples=num_samples, input_len=length - ANSWER_ROOM,
                              max_num_seqs=num_samples, block_size=block, device=device,

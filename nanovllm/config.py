@@ -12,6 +12,7 @@ from nanovllm.parallel.launch import Launch, resolve_launch
 from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, check_unused_options,
                              choosing_policy_names, policy_class)
+from nanovllm.sparse.choosing import check_layer_weights
 from nanovllm.utils.checks import check_bool, check_range, is_integer
 from nanovllm.utils.dtypes import check_kv_cache_device, resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
@@ -178,11 +179,13 @@ class Config:
             per KV head; 16, 32 or 64, dividing ``kvcache_block_size``.
         sparse_token_budget: QUEST: tokens each KV head reads per decode step besides the
             always-read ones (rounded up to whole pages), >= 1.
-        sparse_layer_budget_weights: QUEST: None (default: every layer reads
-            ``sparse_token_budget``) or one positive weight per layer (``num_hidden_layers``):
-            layer ``l`` reads ``sparse_token_budget x w[l] / mean(w)`` tokens per KV head, so the
-            layers share the same total reads unequally (``nanovllm.sparse.choosing.layer_budget_pages``;
-            fitted per model by ``python -m benchmarks.layer_budgets``).
+        sparse_layer_budget_weights: QUEST / MOMENTS / ORACLE: None (default: every layer picks
+            ``sparse_token_budget``) or a list or tuple of one weight > 0 per layer
+            (``num_hidden_layers``): layer ``l`` picks ``sparse_token_budget x w[l] / mean(w)``
+            tokens per KV head (whole pages, at least one), so the layers share about the same
+            total unequally (``nanovllm.sparse.choosing.layer_budget_pages``; the first
+            ``sparse_dense_layers`` read everything whatever their weight). Fitted per model by
+            ``python -m benchmarks.layer_budgets`` (its report's ``"weights"``).
         sparse_sink_tokens, sparse_recent_tokens: QUEST / STREAMING: the first tokens (attention
             sinks) and the last tokens before the page being written, which every decode step reads
             (rounded up to whole pages), in [0, max_model_len].
@@ -351,6 +354,9 @@ class Config:
                                  f"{self.sparse_token_budget} both set the budget; give sparse_token_budget only")
             self.sparse_token_budget = self.sparse_topk_blocks * self.kvcache_block_size
             self.sparse_topk_blocks = None
+        if self.sparse_layer_budget_weights is not None:
+            self.sparse_layer_budget_weights = check_layer_weights(self.sparse_layer_budget_weights,
+                                                                   self.hf_config.num_hidden_layers)
         policy_class(self.sparse_policy).check_options(self)  # another policy's options must keep their defaults:
         check_unused_options(self, FIELD_DEFAULTS)
         if self.num_reuse_cache_blocks != -1:

@@ -128,9 +128,13 @@ def test_model_args_are_parsed_as_the_options_types():
     from nanovllm.integrations.lm_eval import engine_arguments
 
     parsed = engine_arguments({"enable_cpu_offload": "true", "num_kvcache_blocks": "8", "sparse_threshold": "0.5",
-                               "max_model_len": "None", "sparse_policy": "quest", "tokenizer": "123"})
+                               "max_model_len": "None", "sparse_policy": "quest", "tokenizer": "123",
+                               "sparse_layer_budget_weights": " 2 1 0.5 "})
     assert parsed == {"enable_cpu_offload": True, "num_kvcache_blocks": 8, "sparse_threshold": 0.5,
-                      "max_model_len": None, "sparse_policy": "quest", "tokenizer": "123"}
+                      "max_model_len": None, "sparse_policy": "quest", "tokenizer": "123",
+                      "sparse_layer_budget_weights": (2.0, 1.0, 0.5)}
+    assert engine_arguments({"sparse_layer_budget_weights": "1 x"}) == {"sparse_layer_budget_weights": "1 x"}, \
+        "not numbers: left to the engine, which refuses it by name"
 
 
 def test_backend_is_registered_on_import_only():

@@ -6,6 +6,7 @@ tests/test_tiers.py; the reuse cache: tests/test_reuse.py)."""
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from nanovllm.ops import quest_scores
 from nanovllm.ops.quest_scores import (box_scores, box_scores_ref, page_bounds, page_bounds_ref, page_scores,
                                       page_scores_ref, top_pages, top_pages_ref)
 from nanovllm.sparse import DecodeCandidates, QuestPolicy, StreamingPolicy
-from nanovllm.sparse.choosing import ChoosingPolicy, layer_budget_pages
+from nanovllm.sparse.choosing import ChoosingPolicy, check_layer_weights, layer_budget_pages
 
 
 def _keys_and_bounds(pages, page_size, heads_kv, dim, seed=0):
@@ -236,19 +237,23 @@ def test_a_sequence_selects_only_with_more_candidates_than_its_budget():
 def test_layer_weights_share_the_same_total_budget():
     """Layer l reads budget x w[l] / mean(w) tokens (whole pages, at least one); equal weights are
     the uniform budget; a sequence selects once some layer has fewer picks than candidates."""
-    assert layer_budget_pages(64, 16, (1, 3), 2) == (2, 6)  # 128 tokens: 32 and 96
-    assert layer_budget_pages(40, 16, [0.1] * 3, 3) == (3, 3, 3) == (math.ceil(40 / 16),) * 3
-    assert layer_budget_pages(64, 16, (1e-6, 1.0), 2) == (1, 8)
+    assert layer_budget_pages(64, 16, (1, 3)) == (2, 6)  # 128 tokens: 32 and 96
+    assert layer_budget_pages(40, 16, (0.1,) * 3) == (3, 3, 3) == (math.ceil(40 / 16),) * 3
+    assert layer_budget_pages(64, 16, (1e-6, 1.0)) == (1, 8)
+    assert layer_budget_pages(64, 16, (1e308, 1e308)) == (4, 4), "no overflow in the mean"
     policy = _policy(budget_tokens=48, layer_weights=(1, 2))  # 32 and 64 tokens: 2 and 4 pages
     assert [policy.budget_at(layer) for layer in range(2)] == [2, 4] and policy.budget_pages == 4
     assert not policy.selects(3 + 2) and policy.selects(3 + 3)
     assert _policy(budget_tokens=48).budget_at(1) == 3
-    for bad, match in (((1, 2, 3), r"sequence of num_hidden_layers=2 weights, got \(1, 2, 3\)"),
-                       ("12", "sequence of num_hidden_layers=2"), (5, "sequence of num_hidden_layers=2"),
+    assert check_layer_weights([1, 2.5], 2) == (1.0, 2.5)
+    for bad, match in (((1, 2, 3), r"list or tuple of num_hidden_layers=2 weights, got \(1, 2, 3\)"),
+                       ("12", "list or tuple of num_hidden_layers=2"), (5, "list or tuple"),
+                       ({0: 1.0, 1: 1.0}, "list or tuple"), ({1.0, 2.0}, "list or tuple"),
+                       (torch.ones(2), "list or tuple"), ((torch.tensor(1.0),) * 2, r"\[0\] must be a finite number"),
                        ((1, 0), r"sparse_layer_budget_weights\[1\] must be a finite number > 0, got 0"),
                        ((1, float("nan")), r"\[1\] must be a finite number > 0"), ((True, 1), r"\[0\]")):
         with pytest.raises(ValueError, match=match):
-            layer_budget_pages(64, 16, bad, 2)
+            check_layer_weights(bad, 2)
 
 
 def test_density_counts_each_layers_budget(qwen3_dir):
@@ -290,7 +295,7 @@ def test_options_are_checked(qwen3_dir):
                        (dict(sparse_group_score="mean"), "sparse_group_score must be one of"),
                        (dict(sparse_radius_weight=-0.5), r"sparse_radius_weight must be a number in \[0, 1\]"),
                        (dict(sparse_radius_weight=0.5), None),
-                       (dict(sparse_layer_budget_weights=(1, 2, 3)), "sequence of num_hidden_layers=2 weights"),
+                       (dict(sparse_layer_budget_weights=(1, 2, 3)), "list or tuple of num_hidden_layers=2 weights"),
                        (dict(sparse_layer_budget_weights=(1, -2)), r"sparse_layer_budget_weights\[1\] must be"),
                        (dict(sparse_layer_budget_weights=[1, 2]), None),
                        (dict(sparse_topk_blocks=2, sparse_token_budget=100), "both set the budget")):
@@ -309,6 +314,12 @@ def test_options_are_checked(qwen3_dir):
         Config(qwen3_dir, sparse_policy="STREAMING")
     with pytest.raises(ValueError, match="sparse_layer_budget_weights=.* is read by sparse_policy="):
         Config(qwen3_dir, sparse_policy="STREAMING", sparse_layer_budget_weights=(1, 1))
+    with pytest.raises(ValueError, match="sparse_layer_budget_weights must be a list or tuple"):
+        Config(qwen3_dir, sparse_policy="FULL", sparse_layer_budget_weights=np.ones(2))
+    # the staging and reuse rows hold at most a context's pages, whatever the budget
+    assert QuestPolicy.decode_pick_limit(Config(qwen3_dir, **quest)) == 1024
+    assert QuestPolicy.decode_pick_limit(Config(qwen3_dir, **quest, sparse_token_budget=100,
+                                                sparse_layer_budget_weights=(1, 3))) == 160
 
 
 def test_streaming_reads_sinks_and_the_recent_window(qwen3_dir):

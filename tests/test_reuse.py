@@ -86,7 +86,10 @@ def test_reuse_cache_and_staging_rows_follow_the_gpu_tier_and_are_budgeted(qwen3
         g = cache.geometry
         assert cache.kv.shape[2] == gpu_blocks + 3
         assert cache.attention.reuse.cell_pages(0)[0] == gpu_blocks * (g.block_size // config.sparse_page_size)
-        tokens = config.sparse_token_budget + (1 + 16 + 1) * config.sparse_page_size  # picks, sink, recent, current
+        page = config.sparse_page_size
+        picks = min(config.sparse_token_budget, config.max_model_len)  # no step has more candidates
+        assert picks == config.max_model_len < config.sparse_token_budget and picks % page == 0
+        tokens = picks + (1 + 16 + 1) * page  # picks, sink, recent, current
         staging = -(-tokens * min(config.max_num_seqs, STAGING_SEQS) // g.block_size)
         assert cache.staging_rows == staging_rows(config) == staging
         assert cache.attention.k_rows.shape[0] == cache.layout.total == g.num_layers * (gpu_blocks + 3) + staging

@@ -12,7 +12,8 @@ or from the shell, with lm-eval's own arguments (lm-eval 0.4.13 discovers no out
 ``batch_size``, ``max_batch_size`` (= ``max_num_seqs``), ``max_length`` / ``max_model_len``,
 ``seed``, ``enable_thinking``, ``chat_template_args``, ``think_end_token``, ``truncation_side``)
 and every other ``nanovllm.LLM`` option (host tier, sparse policy and budgets, ...), with string
-values read as the option's type ("true" -> True, "8" -> 8, "0.5" -> 0.5, "None" -> None).
+values read as the option's type ("true" -> True, "8" -> 8, "0.5" -> 0.5, "None" -> None; a tuple of
+numbers separated by spaces, since commas separate the arguments: "2 1 1 3" -> (2.0, 1.0, 1.0, 3.0)).
 
 Requests run through ``LLM.generate`` in one batch per call (``batch_size="auto"``) or in chunks
 of ``batch_size``: log-likelihoods from ``prompt_logprobs=1`` (vLLM's way, natural log),
@@ -47,6 +48,11 @@ def _parse_string(value: str, annotation):
         return None
     if bool in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if any(typing.get_origin(kind) is tuple for kind in kinds):
+        try:
+            return tuple(float(word) for word in text.split())
+        except ValueError:
+            return value
     for kind in (int, float):
         if kind in kinds:
             try:
@@ -58,7 +64,7 @@ def _parse_string(value: str, annotation):
 
 def engine_arguments(model_args: dict) -> dict:
     """``model_args`` with the string values of :class:`nanovllm.config.Config` fields read as
-    the field's type (ints, floats, bools, None); other values unchanged (lm-eval's own parser
+    the field's type (ints, floats, bools, None, tuples of space-separated numbers); other values unchanged (lm-eval's own parser
     has typed most already; a dict given to ``simple_evaluate`` may not have)."""
     annotations = {f.name: f.type for f in fields(Config)}
     return {name: _parse_string(value, annotations[name]) if isinstance(value, str) and name in annotations

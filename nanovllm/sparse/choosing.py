@@ -47,7 +47,7 @@ class ChoosingPolicy(SparsePolicy):
         self.page_size = page_size
         self.budget_pages = math.ceil(budget_tokens / page_size)
         if layer_weights is not None:
-            self.layer_budget_pages = layer_budget_pages(budget_tokens, page_size, layer_weights, len(layer_weights))
+            self.layer_budget_pages = layer_budget_pages(budget_tokens, page_size, layer_weights)
             self.budget_pages = max(self.layer_budget_pages)
         self.sink_pages, self.recent_pages = math.ceil(sink_tokens / page_size), math.ceil(recent_tokens / page_size)
         self.dense_layers = dense_layers
@@ -71,22 +71,29 @@ class ChoosingPolicy(SparsePolicy):
         return (math.ceil(config.sparse_sink_tokens / page) + math.ceil(config.sparse_recent_tokens / page) + 1) * page
 
 
-def layer_budget_pages(budget_tokens: int, page_size: int, weights, num_layers: int) -> tuple[int, ...]:
-    """Each layer's picks per KV head and step (pages) when the layers share ``num_layers x
-    budget_tokens`` by ``weights``: layer ``l`` reads ``budget_tokens x weights[l] / mean(weights)``
-    tokens, rounded up to whole pages (at least one). Equal weights give every layer
-    ``ceil(budget_tokens / page_size)``.
+def check_layer_weights(weights, num_layers: int) -> tuple[float, ...]:
+    """``sparse_layer_budget_weights`` as a tuple of floats.
 
     Raises:
-        ValueError: ``weights`` (``sparse_layer_budget_weights``) not a sequence of ``num_layers``
-            finite positive numbers, naming the value.
+        ValueError: not a list or tuple of ``num_layers`` finite numbers > 0, naming the value.
     """
     name = "sparse_layer_budget_weights"
-    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or len(weights) != num_layers:
-        raise ValueError(f"{name} must be a sequence of num_hidden_layers={num_layers} weights, got {weights!r}")
+    if not isinstance(weights, (list, tuple)) or len(weights) != num_layers:
+        raise ValueError(f"{name} must be a list or tuple of num_hidden_layers={num_layers} weights, got {weights!r}")
     for layer, weight in enumerate(weights):
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{name}[{layer}] must be a finite number > 0, got {weight!r}")
-    total = math.fsum(weights)
-    return tuple(max(1, math.ceil(budget_tokens * weight * num_layers / total / page_size - 1e-9))
-                 for weight in weights)
+    return tuple(float(weight) for weight in weights)
+
+
+def layer_budget_pages(budget_tokens: int, page_size: int, weights: tuple[float, ...]) -> tuple[int, ...]:
+    """Each layer's picks per KV head and step (pages) when the layers share ``len(weights) x
+    budget_tokens`` by ``weights`` (checked by :func:`check_layer_weights`): layer ``l`` picks
+    ``budget_tokens x weights[l] / mean(weights)`` tokens, rounded up to whole pages (at least one),
+    so the total is the uniform budget's or a few pages more. Equal weights give every layer
+    ``ceil(budget_tokens / page_size)``."""
+    largest = max(weights)
+    shares = [weight / largest for weight in weights]  # in (0, 1]: their sum cannot overflow
+    total = math.fsum(shares)
+    return tuple(max(1, math.ceil(budget_tokens * share * len(shares) / total / page_size - 1e-9))
+                 for share in shares)

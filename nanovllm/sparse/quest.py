@@ -69,9 +69,6 @@ class QuestPolicy(ChoosingPolicy):
     def check_options(cls, config) -> None:
         super().check_options(config)
         check_range("sparse_token_budget", config.sparse_token_budget, 1)
-        if config.sparse_layer_budget_weights is not None:
-            layer_budget_pages(config.sparse_token_budget, config.sparse_page_size, config.sparse_layer_budget_weights,
-                               config.hf_config.num_hidden_layers)
         if config.sparse_group_score not in COMBINES:
             raise ValueError(f"sparse_group_score must be one of {COMBINES}, got {config.sparse_group_score!r}")
         _check_radius_weight(config.sparse_radius_weight)
@@ -84,10 +81,12 @@ class QuestPolicy(ChoosingPolicy):
 
     @classmethod
     def decode_pick_limit(cls, config) -> int:
-        weights = config.sparse_layer_budget_weights
-        pages = (math.ceil(config.sparse_token_budget / config.sparse_page_size) if weights is None else
-                 max(layer_budget_pages(config.sparse_token_budget, config.sparse_page_size, weights, len(weights))))
-        return pages * config.sparse_page_size
+        """The largest layer budget in whole pages, at most the pages of ``max_model_len`` (no step
+        has more candidates)."""
+        page, weights = config.sparse_page_size, config.sparse_layer_budget_weights
+        pages = (math.ceil(config.sparse_token_budget / page) if weights is None else
+                 max(layer_budget_pages(config.sparse_token_budget, page, weights)))
+        return min(pages, math.ceil(config.max_model_len / page)) * page
 
     # ---- metadata ----------------------------------------------------------------------
     def metadata_bytes_per_block(self, num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
