@@ -45,10 +45,9 @@ class ChoosingPolicy(SparsePolicy):
                             ("sparse_recent_tokens", recent_tokens), ("sparse_dense_layers", dense_layers)):
             check_range(name, value, 0)
         self.page_size = page_size
-        self.budget_pages = math.ceil(budget_tokens / page_size)
+        self.budget_pages = most_budget_pages(budget_tokens, page_size, layer_weights)
         if layer_weights is not None:
             self.layer_budget_pages = layer_budget_pages(budget_tokens, page_size, layer_weights)
-            self.budget_pages = max(self.layer_budget_pages)
         self.sink_pages, self.recent_pages = math.ceil(sink_tokens / page_size), math.ceil(recent_tokens / page_size)
         self.dense_layers = dense_layers
 
@@ -84,6 +83,14 @@ def check_layer_weights(weights, num_layers: int) -> tuple[float, ...]:
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{name}[{layer}] must be a finite number > 0, got {weight!r}")
     return tuple(float(weight) for weight in weights)
+
+
+def most_budget_pages(budget_tokens: int, page_size: int, weights: tuple[float, ...] | None) -> int:
+    """The most picks per KV head and step at any layer (pages): ``ceil(budget_tokens / page_size)``
+    without weights, else the largest of :func:`layer_budget_pages`."""
+    if weights is None:
+        return math.ceil(budget_tokens / page_size)
+    return max(layer_budget_pages(budget_tokens, page_size, weights))
 
 
 def layer_budget_pages(budget_tokens: int, page_size: int, weights: tuple[float, ...]) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import math
 import torch
 
 from nanovllm.ops.quest_scores import COMBINES, box_scores, page_scores, top_pages
-from nanovllm.sparse.choosing import ChoosingPolicy, layer_budget_pages
+from nanovllm.sparse.choosing import ChoosingPolicy, most_budget_pages
 from nanovllm.sparse.policy import DecodeCandidates, register_policy
 from nanovllm.utils.checks import check_range
 
@@ -83,9 +83,8 @@ class QuestPolicy(ChoosingPolicy):
     def decode_pick_limit(cls, config) -> int:
         """The largest layer budget in whole pages, at most the pages of ``max_model_len`` (no step
         has more candidates)."""
-        page, weights = config.sparse_page_size, config.sparse_layer_budget_weights
-        pages = (math.ceil(config.sparse_token_budget / page) if weights is None else
-                 max(layer_budget_pages(config.sparse_token_budget, page, weights)))
+        page = config.sparse_page_size
+        pages = most_budget_pages(config.sparse_token_budget, page, config.sparse_layer_budget_weights)
         return min(pages, math.ceil(config.max_model_len / page)) * page
 
     # ---- metadata ----------------------------------------------------------------------
