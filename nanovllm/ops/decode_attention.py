@@ -36,7 +36,13 @@ its one variant serves every context length."""
 _MIN_SPLIT_TOKENS = 256
 """A split covers at least this many of the M * block_size token slots."""
 _BLOCK_N = 64
-"""KV tokens per tile for head_dim <= 128 (half of it above); other tiles: docs/ops.md, 'Measured on the H200'."""
+"""KV tokens per tile over a 16-bit cache for head_dim <= 128 (half of it above); other tiles:
+docs/ops.md, 'Measured on the H200'."""
+_FP8_BLOCK_N = 128
+"""KV tokens per tile over an fp8 cache for head_dim <= 128 (half of it above): the same bytes per
+tile as a 16-bit cache's, so that the tile's fixed work (the online softmax's reductions, the
+operand layout of the converted keys and values) is spread over twice the tokens (docs/ops.md,
+'FP8 tiles')."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
@@ -248,7 +254,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     group = heads_q // heads_kv
     g_chunks = cdiv(group, _BLOCK_G)
     block_d = block_dim(dim)
-    block_n = _BLOCK_N if block_d <= 128 else _BLOCK_N // 2
+    scaled = k_scale is not None
+    block_n = (_FP8_BLOCK_N if scaled else _BLOCK_N) // (1 if block_d <= 128 else 2)
     max_tokens = block_tables.shape[-1] * block_size
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -266,7 +273,6 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         lse_part = torch.empty((batch, heads_q, splits), dtype=torch.float32, device=q.device)
         # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
         lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
-    scaled = k_scale is not None
     k_scale, v_scale = (k_scale, v_scale) if scaled else (lens, lens)  # not read unscaled
     _decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
         q, k_cache, v_cache, k_scale, v_scale, tables, lens, starts, o_part, lse_part,
