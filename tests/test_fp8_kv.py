@@ -207,7 +207,7 @@ def test_prefill_over_a_cached_fp8_prefix_reads_it_dequantized(window):
 # ---- the Triton kernels, under the interpreter ---------------------------------------------
 
 def test_kernels_under_the_interpreter():
-    run_interpreted_tests(__file__, min_passed=28)
+    run_interpreted_tests(__file__, min_passed=48)
 
 
 @interpreted_only
@@ -298,6 +298,62 @@ def test_interpreted_ring_fold_matches_reference(dtype, num_keys):
     # float32 sums in another order (the kernel's online softmax over a split context) differ by a few ulps
     torch.testing.assert_close(state[0][0], state[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[0][1], state[1][1], atol=2e-6, rtol=1e-5)
+
+
+HALF_CASES = [(torch.float16, 1.0, 1.0), (torch.bfloat16, 1.0, 1.0), (torch.float16, 1e-6, 1.0),
+              (torch.bfloat16, 1e-6, 1.0), (torch.bfloat16, 1.0, 1e6)]
+HALF_IDS = ["float16", "bfloat16", "float16-tiny-values", "bfloat16-tiny-values", "bfloat16-query-past-float16"]
+
+
+def _half_case(dtype, q_dtype, value_size, query_size, q_shape):
+    """A stored fp8 cache whose values are ``value_size`` times _stored_cache's, and a 16-bit query
+    of ``q_shape`` times ``query_size`` (past float16's range at 1e6), with the dequantized cache."""
+    k_cache, _, scales, (k_plain, _) = _stored_cache(dtype)
+    values = torch.randn(k_cache.shape[0] * BLOCK, HEADS_KV, DIM, generator=torch.Generator().manual_seed(4))
+    v_cache = torch.empty_like(k_cache)
+    v_scales = KVScales(torch.empty_like(scales.k_scale), torch.empty_like(scales.v_scale))
+    store_kvcache(values * value_size, values * value_size, v_cache, v_cache.clone(), torch.arange(values.shape[0]),
+                  v_scales)
+    v_scale = v_scales.k_scale
+    q = (torch.randn(q_shape, generator=torch.Generator().manual_seed(5)) * query_size).to(q_dtype)
+    return q, k_cache, v_cache, scales.k_scale, v_scale, k_plain, dequantize(v_cache, v_scale, torch.float32)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("q_dtype, value_size, query_size", HALF_CASES, ids=HALF_IDS)
+def test_interpreted_half_query_decode_matches_reference(dtype, q_dtype, value_size, query_size):
+    """A 16-bit query over an fp8 cache: float16 dots (``half_query``), the probabilities times
+    the value scales over the tile's largest. Values a million times smaller would leave every
+    ``p * v_scale`` below float16's smallest subnormal without that normalisation (the output would
+    be zeros), and a bfloat16 query of 1e6 past float16's range without the query's power of two."""
+    q, k_cache, v_cache, k_scale, v_scale, k_plain, v_plain = _half_case(dtype, q_dtype, value_size, query_size,
+                                                                         (3, HEADS_Q, DIM))
+    tables, lens, _ = _decode_cases(True, False)
+    out, lse = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True, num_splits=2,
+                                k_scale=k_scale, v_scale=v_scale)
+    want_out, want_lse = decode_attention_ref(q.float(), k_plain, v_plain, tables, lens, 0.125, True)
+    assert out.abs().max() > 0.1 * want_out.abs().max() > 0
+    # the scores are exact (16-bit queries and fp8 keys convert to float16 exactly); the float16
+    # probabilities round to 11 bits
+    torch.testing.assert_close(out / value_size, want_out / value_size, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("q_dtype, value_size, query_size", HALF_CASES, ids=HALF_IDS)
+def test_interpreted_half_query_ring_fold_matches_reference(dtype, q_dtype, value_size, query_size):
+    q, k_cache, v_cache, k_scale, v_scale, k_plain, v_plain = _half_case(dtype, q_dtype, value_size, query_size,
+                                                                         (HEADS_Q, DIM))
+    k, v, kp, vp = (c[:4].flatten(0, 1) for c in (k_cache, v_cache, k_plain, v_plain))
+    ks, vs = (sc[:4].flatten(0, 1) for sc in (k_scale, v_scale))
+    start = (torch.randn(HEADS_Q, DIM) * value_size, torch.randn(HEADS_Q))
+    state, want = [(start[0].clone(), start[1].clone()) for _ in range(2)]
+    decode_attend_merge(q, k, v, *state, 0.125, ks, vs)
+    decode_attend_merge_ref(q.float(), kp, vp, *want, 0.125)
+    torch.testing.assert_close(state[0] / value_size, want[0] / value_size, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(state[1], want[1], atol=1e-4, rtol=1e-5)
 
 
 @interpreted_only

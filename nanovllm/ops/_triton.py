@@ -219,14 +219,33 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def half_query(q, scale_log2):
+    """The query of a tile loop over an fp8 cache, and its score scale: a 16-bit ``q`` ``[M, D]``
+    becomes float16 (``q / c``, with ``c`` 1 or the power of two that brings max|q| to at most 2^15,
+    since a bfloat16 query may exceed float16's range) and ``scale_log2`` becomes
+    ``scale_log2 * c``; a float32 ``q`` is returned as it is (float32 dots). The tiles' fp8 values convert to
+    float16 exactly and in one instruction per pair, where bfloat16 takes a second conversion per
+    element (:func:`scaled_online_softmax_step`)."""
+    if q.dtype.is_bf16() or q.dtype.is_fp16():
+        top = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        c = tl.exp2(tl.maximum(tl.ceil(tl.log2(top)) - 15.0, 0.0))
+        q = (q.to(tl.float32) / c).to(tl.float16)
+        scale_log2 = scale_log2 * c
+    return q, scale_log2
+
+
+@triton.jit
 def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc, scale_log2,
                                DOT_PRECISION: tl.constexpr):
     """:func:`online_softmax_step` over a tile of fp8 keys and values ``k``, ``v`` ``[N, D]`` with
     per-token float32 scales ``k_scale``, ``v_scale`` ``[N]`` (a key is ``k_n * k_scale_n``), from the
-    query ``q`` ``[M, D]``; ``n_mask`` ``[N]``: the tile's visible keys. The scales multiply the
-    scores and the probabilities, not the tile: ``q . (s_n k_n) = s_n (q . k_n)`` and
-    ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile is only converted to q's dtype, which
-    holds every fp8 e4m3 / e5m2 value exactly. Returns the new ``(m_i, l_i, acc)``."""
+    query ``q`` ``[M, D]`` (float32, or float16 from :func:`half_query`); ``n_mask`` ``[N]``: the
+    tile's visible keys. The scales multiply the scores and the probabilities, not the tile:
+    ``q . (s_n k_n) = s_n (q . k_n)`` and ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile
+    is only converted to q's dtype, which holds every fp8 e4m3 / e5m2 value exactly. With a float16
+    q the probabilities enter the dot as ``p_n t_n / T`` (T the tile's largest value scale, at
+    least 2^-64), which keeps them in float16's normal range, and the dot's result is multiplied by
+    T. Returns the new ``(m_i, l_i, acc)``."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -234,5 +253,11 @@ def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if q.dtype == tl.float16:
+        top = tl.maximum(tl.max(v_scale, 0), 5.421010862427522e-20)
+        pv = tl.dot((p * (v_scale / top)[None, :]).to(tl.float16), v.to(tl.float16), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * top
+    else:
+        acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+                     input_precision=DOT_PRECISION)
     return m_new, l_i, acc

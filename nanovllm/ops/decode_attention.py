@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, interpreted, next_pow2,
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, half_query, interpreted, next_pow2,
                       online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
@@ -42,7 +42,7 @@ _FP8_BLOCK_N = 128
 """KV tokens per tile over an fp8 cache for head_dim <= 128 (half of it above): the same bytes per
 tile as a 16-bit cache's, so that the tile's fixed work (the online softmax's reductions, the
 operand layout of the converted keys and values) is spread over twice the tokens (docs/ops.md,
-'FP8 tiles')."""
+'FP8 tiles and float16 dots')."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
@@ -158,6 +158,8 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if SCALED:
+        q, scale_log2 = half_query(q, scale_log2)
     start = split * tokens_per_split
     end = tl.minimum(tl.minimum(start + tokens_per_split, tl.load(lens_ptr + b)), max_tokens)
     if HAS_STARTS:

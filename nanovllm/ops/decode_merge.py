@@ -12,7 +12,7 @@ a second launch.
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, next_pow2,
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, half_query, next_pow2,
                       online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 from .kv_quant import check_scales, dequantize
@@ -105,6 +105,8 @@ def _decode_attend_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     g_mask, d_mask = g < GROUP, d < HEAD_DIM
     q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if SCALED:
+        q, scale_log2 = half_query(q, scale_log2)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
