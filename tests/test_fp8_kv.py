@@ -7,6 +7,7 @@ The interpreter must be switched on before Triton is imported, so the ``test_int
 tests run in a child pytest (``test_kernels_under_the_interpreter``).
 """
 import copy
+import math
 import json
 import logging
 import shutil
@@ -207,7 +208,7 @@ def test_prefill_over_a_cached_fp8_prefix_reads_it_dequantized(window):
 # ---- the Triton kernels, under the interpreter ---------------------------------------------
 
 def test_kernels_under_the_interpreter():
-    run_interpreted_tests(__file__, min_passed=48)
+    run_interpreted_tests(__file__, min_passed=52)
 
 
 @interpreted_only
@@ -323,10 +324,10 @@ def _half_case(dtype, q_dtype, value_size, query_size, q_shape):
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("q_dtype, value_size, query_size", HALF_CASES, ids=HALF_IDS)
 def test_interpreted_half_query_decode_matches_reference(dtype, q_dtype, value_size, query_size):
-    """A 16-bit query over an fp8 cache: float16 dots (``half_query``), the probabilities times
-    the value scales over the tile's largest. Values a million times smaller would leave every
-    ``p * v_scale`` below float16's smallest subnormal without that normalisation (the output would
-    be zeros), and a bfloat16 query of 1e6 past float16's range without the query's power of two."""
+    """A 16-bit query over an fp8 cache: float16 dots (``half_query``), each row's weights
+    ``p * v_scale`` over the row's largest. Values a million times smaller would leave every weight
+    below float16's smallest subnormal without that normalisation (the output would be zeros), and a
+    bfloat16 query of 1e6 past float16's range without the query's power of two."""
     q, k_cache, v_cache, k_scale, v_scale, k_plain, v_plain = _half_case(dtype, q_dtype, value_size, query_size,
                                                                          (3, HEADS_Q, DIM))
     tables, lens, _ = _decode_cases(True, False)
@@ -338,6 +339,53 @@ def test_interpreted_half_query_decode_matches_reference(dtype, q_dtype, value_s
     # probabilities round to 11 bits
     torch.testing.assert_close(out / value_size, want_out / value_size, atol=3e-3, rtol=3e-3)
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+def test_interpreted_half_query_decode_in_splits_of_full_tiles(dtype):
+    """Contexts of several 128-token tiles in two splits (merged by LSE), per-KV-head tables with
+    -1 entries (blocks a head does not read), a bfloat16 query."""
+    k_cache, v_cache, scales, _ = _stored_cache(dtype, num_blocks=48)
+    g = torch.Generator().manual_seed(6)
+    tables = torch.stack([torch.randperm(48, generator=g)[:44].view(1, 44).int() for _ in range(3 * HEADS_KV)])
+    tables = tables.view(3, HEADS_KV, 44)
+    tables[0, 1, 5:9] = -1
+    tables[2, 0, 20:] = -1
+    lens = torch.tensor([700, 300, 513], dtype=torch.int32)
+    q = torch.randn(3, HEADS_Q, DIM, generator=g).to(torch.bfloat16)
+    kw = dict(return_lse=True, k_scale=scales.k_scale, v_scale=scales.v_scale)
+    out, lse = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, num_splits=2, **kw)
+    want_out, want_lse = decode_attention_ref(q.float(), k_cache, v_cache, tables, lens, 0.125, **kw)
+    torch.testing.assert_close(out, want_out, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", FP8)
+def test_interpreted_half_query_decode_keeps_small_terms_of_mixed_scales(dtype):
+    """Value scales a million apart within one tile: the tokens with the highest probabilities
+    have values a million times smaller than the rest, whose probabilities are about 2^-20 of
+    theirs, so both halves of the output weigh the same. Each row's weights enter the float16 dot
+    relative to the row's largest ``p * v_scale``; relative to the largest value scale the
+    high-probability tokens' weights would be float16 subnormals, 2.9% off."""
+    tokens, g = NUM_BLOCKS * BLOCK, torch.Generator().manual_seed(7)
+    high = torch.arange(tokens) % 4 == 0
+    k_cache = torch.ones(NUM_BLOCKS, BLOCK, HEADS_KV, DIM).to(dtype)
+    v_cache = (torch.randn(NUM_BLOCKS, BLOCK, HEADS_KV, DIM, generator=g) * 100).to(dtype)
+    k_scale = torch.where(high, 20.0, 20.0 - 20 * math.log(2) / 0.8).view(NUM_BLOCKS, BLOCK, 1).expand(-1, -1, HEADS_KV)
+    v_scale = torch.where(high, 1e-6, 1.0).view(NUM_BLOCKS, BLOCK, 1).expand(-1, -1, HEADS_KV)
+    k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    q = torch.full((1, HEADS_Q, DIM), 0.1).to(torch.bfloat16)  # every score 0.8 * k_scale
+    tables = torch.arange(NUM_BLOCKS, dtype=torch.int32).view(1, -1)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    kw = dict(k_scale=k_scale, v_scale=v_scale)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, 0.125, return_lse=True, **kw)[0]
+    want = decode_attention_ref(q.float(), k_cache, v_cache, tables, lens, 0.125, True, **kw)[0]
+    high_values = (v_cache.float() * high.view(NUM_BLOCKS, BLOCK, 1, 1)).to(dtype)
+    small = decode_attention_ref(q.float(), k_cache, high_values, tables, lens, 0.125, True, **kw)[0]
+    assert small.abs().mean() > 0.3 * want.abs().mean(), "the high-probability, small-value half weighs in"
+    torch.testing.assert_close(out, want, atol=3e-3 * want.abs().max().item(), rtol=3e-3)
 
 
 @interpreted_only

@@ -226,7 +226,7 @@ def half_query(q, scale_log2):
     ``scale_log2 * c``; a float32 ``q`` is returned as it is (float32 dots). The tiles' fp8 values convert to
     float16 exactly and in one instruction per pair, where bfloat16 takes a second conversion per
     element (:func:`scaled_online_softmax_step`)."""
-    if q.dtype.is_bf16() or q.dtype.is_fp16():
+    if q.dtype.primitive_bitwidth == 16:
         top = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         c = tl.exp2(tl.maximum(tl.ceil(tl.log2(top)) - 15.0, 0.0))
         q = (q.to(tl.float32) / c).to(tl.float16)
@@ -243,9 +243,10 @@ def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc,
     tile's visible keys. The scales multiply the scores and the probabilities, not the tile:
     ``q . (s_n k_n) = s_n (q . k_n)`` and ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile
     is only converted to q's dtype, which holds every fp8 e4m3 / e5m2 value exactly. With a float16
-    q the probabilities enter the dot as ``p_n t_n / T`` (T the tile's largest value scale, at
-    least 2^-64), which keeps them in float16's normal range, and the dot's result is multiplied by
-    T. Returns the new ``(m_i, l_i, acc)``."""
+    q, row m's weights enter the dot as ``p_mn t_n / W_m`` (W_m the row's largest ``p_mn t_n`` in the
+    tile), at most 1 and in float16's normal range down to 2^-14 of the largest, whatever the
+    scales (FlashAttention's float16 probabilities are relative to the row's largest in the same
+    way), and the dot's row m is multiplied by W_m. Returns the new ``(m_i, l_i, acc)``."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -254,9 +255,11 @@ def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc,
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if q.dtype == tl.float16:
-        top = tl.maximum(tl.max(v_scale, 0), 5.421010862427522e-20)
-        pv = tl.dot((p * (v_scale / top)[None, :]).to(tl.float16), v.to(tl.float16), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv * top
+        weights = p * v_scale[None, :]
+        top = tl.max(weights, 1)
+        top = tl.where(top > 0, top, 1.0)
+        pv = tl.dot((weights * (1.0 / top)[:, None]).to(tl.float16), v.to(tl.float16), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * top[:, None]
     else:
         acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
                      input_precision=DOT_PRECISION)
