@@ -208,7 +208,7 @@ def test_prefill_over_a_cached_fp8_prefix_reads_it_dequantized(window):
 # ---- the Triton kernels, under the interpreter ---------------------------------------------
 
 def test_kernels_under_the_interpreter():
-    run_interpreted_tests(__file__, min_passed=52)
+    run_interpreted_tests(__file__, min_passed=56)
 
 
 @interpreted_only
@@ -306,10 +306,10 @@ HALF_CASES = [(torch.float16, 1.0, 1.0), (torch.bfloat16, 1.0, 1.0), (torch.floa
 HALF_IDS = ["float16", "bfloat16", "float16-tiny-values", "bfloat16-tiny-values", "bfloat16-query-past-float16"]
 
 
-def _half_case(dtype, q_dtype, value_size, query_size, q_shape):
+def _half_case(dtype, q_dtype, value_size, query_size, q_shape, num_blocks=NUM_BLOCKS):
     """A stored fp8 cache whose values are ``value_size`` times _stored_cache's, and a 16-bit query
     of ``q_shape`` times ``query_size`` (past float16's range at 1e6), with the dequantized cache."""
-    k_cache, _, scales, (k_plain, _) = _stored_cache(dtype)
+    k_cache, _, scales, (k_plain, _) = _stored_cache(dtype, num_blocks=num_blocks)
     values = torch.randn(k_cache.shape[0] * BLOCK, HEADS_KV, DIM, generator=torch.Generator().manual_seed(4))
     v_cache = torch.empty_like(k_cache)
     v_scales = KVScales(torch.empty_like(scales.k_scale), torch.empty_like(scales.v_scale))
@@ -390,12 +390,15 @@ def test_interpreted_half_query_decode_keeps_small_terms_of_mixed_scales(dtype):
 
 @interpreted_only
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("q_dtype, value_size, query_size", HALF_CASES, ids=HALF_IDS)
-def test_interpreted_half_query_ring_fold_matches_reference(dtype, q_dtype, value_size, query_size):
+@pytest.mark.parametrize("q_dtype, value_size, query_size, num_blocks",
+                         [(*case, 4) for case in HALF_CASES] + [(torch.bfloat16, 1.0, 1.0, 64), (torch.bfloat16, 1e-6, 1.0, 64)],
+                         ids=[*HALF_IDS, "bfloat16-split", "bfloat16-tiny-values-split"])
+def test_interpreted_half_query_ring_fold_matches_reference(dtype, q_dtype, value_size, query_size, num_blocks):
+    """The ring fold with a 16-bit query; 1,024 keys: in parts merged by a second launch."""
     q, k_cache, v_cache, k_scale, v_scale, k_plain, v_plain = _half_case(dtype, q_dtype, value_size, query_size,
-                                                                         (HEADS_Q, DIM))
-    k, v, kp, vp = (c[:4].flatten(0, 1) for c in (k_cache, v_cache, k_plain, v_plain))
-    ks, vs = (sc[:4].flatten(0, 1) for sc in (k_scale, v_scale))
+                                                                         (HEADS_Q, DIM), max(num_blocks, NUM_BLOCKS))
+    k, v, kp, vp = (c[:num_blocks].flatten(0, 1) for c in (k_cache, v_cache, k_plain, v_plain))
+    ks, vs = (sc[:num_blocks].flatten(0, 1) for sc in (k_scale, v_scale))
     start = (torch.randn(HEADS_Q, DIM) * value_size, torch.randn(HEADS_Q))
     state, want = [(start[0].clone(), start[1].clone()) for _ in range(2)]
     decode_attend_merge(q, k, v, *state, 0.125, ks, vs)
