@@ -223,9 +223,9 @@ def half_query(q, scale_log2):
     """The query of a tile loop over an fp8 cache, and its score scale: a 16-bit ``q`` ``[M, D]``
     becomes float16 (``q / c``, with ``c`` 1 or the power of two that brings max|q| to at most 2^15,
     since a bfloat16 query may exceed float16's range) and ``scale_log2`` becomes
-    ``scale_log2 * c``; a float32 ``q`` is returned as it is (float32 dots). The tiles' fp8 values convert to
-    float16 exactly and in one instruction per pair, where bfloat16 takes a second conversion per
-    element (:func:`scaled_online_softmax_step`)."""
+    ``scale_log2 * c``; a float32 ``q`` is returned as it is (float32 dots). The tiles' fp8 values
+    convert to float16 exactly and in one instruction per pair, where bfloat16 takes a second
+    conversion per element (:func:`scaled_online_softmax_step`)."""
     if q.dtype.primitive_bitwidth == 16:
         top = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         c = tl.exp2(tl.maximum(tl.ceil(tl.log2(top)) - 15.0, 0.0))
