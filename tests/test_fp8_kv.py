@@ -37,14 +37,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _stored_cache(dtype, seed=0, num_blocks=NUM_BLOCKS, heads=HEADS_KV):
-    """An fp8 cache with every slot written by the store (keys with an outlier channel), and the
-    same cache dequantized to float32."""
+def _stored_cache(dtype, seed=0, num_blocks=NUM_BLOCKS, heads=HEADS_KV, value_size=1.0):
+    """An fp8 cache with every slot written by the store (keys with an outlier channel, values
+    ``value_size`` times standard normal ones), and the same cache dequantized to float32."""
     g = torch.Generator().manual_seed(seed)
     n = num_blocks * BLOCK
     keys = torch.randn(n, heads, DIM, generator=g)
     keys[:, :, 3] *= 30  # an outlier channel (Qwen2-family keys): dynamic scales follow it
-    values = torch.randn(n, heads, DIM, generator=g)
+    values = torch.randn(n, heads, DIM, generator=g) * value_size
     k_cache, v_cache = (torch.empty(num_blocks, BLOCK, heads, DIM, dtype=dtype) for _ in range(2))
     scales = KVScales(*(torch.empty(num_blocks, BLOCK, heads) for _ in range(2)))
     store_kvcache(keys, values, k_cache, v_cache, torch.arange(n), scales)
@@ -309,15 +309,9 @@ HALF_IDS = ["float16", "bfloat16", "float16-tiny-values", "bfloat16-tiny-values"
 def _half_case(dtype, q_dtype, value_size, query_size, q_shape, num_blocks=NUM_BLOCKS):
     """A stored fp8 cache whose values are ``value_size`` times _stored_cache's, and a 16-bit query
     of ``q_shape`` times ``query_size`` (past float16's range at 1e6), with the dequantized cache."""
-    k_cache, _, scales, (k_plain, _) = _stored_cache(dtype, num_blocks=num_blocks)
-    values = torch.randn(k_cache.shape[0] * BLOCK, HEADS_KV, DIM, generator=torch.Generator().manual_seed(4))
-    v_cache = torch.empty_like(k_cache)
-    v_scales = KVScales(torch.empty_like(scales.k_scale), torch.empty_like(scales.v_scale))
-    store_kvcache(values * value_size, values * value_size, v_cache, v_cache.clone(), torch.arange(values.shape[0]),
-                  v_scales)
-    v_scale = v_scales.k_scale
+    k_cache, v_cache, scales, (k_plain, v_plain) = _stored_cache(dtype, num_blocks=num_blocks, value_size=value_size)
     q = (torch.randn(q_shape, generator=torch.Generator().manual_seed(5)) * query_size).to(q_dtype)
-    return q, k_cache, v_cache, scales.k_scale, v_scale, k_plain, dequantize(v_cache, v_scale, torch.float32)
+    return q, k_cache, v_cache, scales.k_scale, scales.v_scale, k_plain, v_plain
 
 
 @interpreted_only
