@@ -8,8 +8,10 @@ the same code per tile, so the work per key shows where a cache dtype spends ins
 variant compiled is bench.py's decode shape (Qwen3-0.6B: GQA group 2, head_dim 128, blocks of
 256 tokens, a bfloat16 query), with the 16-byte divisibility the JIT finds for the engine's
 pointers and strides, and each cache's tile of the engine (``_BLOCK_N``, ``_FP8_BLOCK_N``) unless
-``--block-n`` is given. Instructions are the PTX lines that start with an opcode, indented or
-not (the conversions Triton writes as inline assembly are not indented).
+``--block-n`` is given, and fp8 values read as words (``load_fp8_rows``). Instructions are the
+PTX lines that start with an opcode, indented or not (the conversions Triton writes as inline
+assembly are not indented), and the statements of inline-assembly blocks (``{ ...; ...; }``),
+less their register declarations.
 Usage, from the repository root: python -m benchmarks.ptx_census [--arch 90] [--block-n 64]
 """
 import argparse
@@ -34,9 +36,19 @@ _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
+def _statements(line: str) -> list[str]:
+    """The instructions of a PTX line: an inline-assembly block ``{ a; b; }`` split at ';' (its
+    ``.reg`` declarations left out), else the line itself."""
+    block = line.strip()
+    if not (block.startswith("{") and block.endswith("}")):
+        return [line]
+    return [part for part in block[1:-1].split(";") if part.strip() and not part.strip().startswith(".reg")]
+
+
 def opcodes(lines: list[str]) -> collections.Counter:
-    """Opcode counts of the instruction lines among ``lines``."""
-    return collections.Counter(m.group(1) for line in lines if (m := _INSTRUCTION.match(line)))
+    """Opcode counts of the instructions among ``lines``."""
+    return collections.Counter(m.group(1) for line in lines for statement in _statements(line)
+                               if (m := _INSTRUCTION.match(statement)))
 
 
 def tile_loop(lines: list[str]) -> list[str]:
@@ -56,7 +68,8 @@ def census(cache: str, arch: int, block_n: int | None = None) -> dict:
     scaled = cache != "bfloat16"
     tile = block_n or (decode._FP8_BLOCK_N if scaled else decode._BLOCK_N)
     consts = dict(GROUP=2, G_CHUNKS=1, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=tile, BLOCK_SIZE=256,
-                  DOT_PRECISION="tf32", WHILE_LOOP=False, FINAL=False, HAS_STARTS=False, SCALED=scaled)
+                  DOT_PRECISION="tf32", WHILE_LOOP=False, FINAL=False, HAS_STARTS=False, SCALED=scaled,
+                  FP8_WORDS=scaled)
     kv = CACHE_TYPES[cache]
     signature = {n: "constexpr" if n in consts else {"k_ptr": kv, "v_ptr": kv}.get(n, _POINTERS.get(n, "i32"))
                  for n in names}

@@ -234,13 +234,49 @@ def half_query(q, scale_log2):
     return q, scale_log2
 
 
+def fp8_word_loads(cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether a compiled kernel reads rows of the fp8 ``cache`` (``[..., head_dim]``, last dimension
+    contiguous) with :func:`load_fp8_rows`: True on CUDA when every row starts 4-byte aligned
+    (``head_dim``, the other strides and the base a multiple of 4 bytes); False under the
+    interpreter, which runs no inline assembly."""
+    return (not interpreted(cache) and head_dim % 4 == 0 and cache.data_ptr() % 4 == 0
+            and all(stride % 4 == 0 for stride in cache.stride()[:-1]))
+
+
+@triton.jit
+def load_fp8_rows(row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``[N, BLOCK_D]`` of an fp8 e4m3 / e5m2 tensor as float16, exactly (0 where ``row_mask``
+    ``[N]`` is False and past ``HEAD_DIM``); ``row_ptrs`` ``[N]`` point at each row's first value,
+    4-byte aligned (:func:`fp8_word_loads`). The rows are read as 32-bit words and each word becomes
+    four float16 in registers: ``cvt.rn.f16x2.e4m3x2`` per pair for e4m3, and for e5m2 (float16's
+    high byte) two ``prmt``. A tile read as fp8 and converted where ``tl.dot`` takes it is gathered
+    from shared memory byte by byte when it is the dot's second operand with the tokens along the
+    reduction, as the values of ``p @ v`` are; converted first, it reaches the dot as float16
+    (``ldmatrix.trans``). Compiled kernels only (inline PTX; e4m3 needs sm_89, as its cache does)."""
+    w = tl.arange(0, BLOCK_D // 4)
+    words = tl.load(row_ptrs[:, None].to(tl.pointer_type(tl.int32)) + w[None, :],
+                    mask=row_mask[:, None] & (w < HEAD_DIM // 4)[None, :], other=0)
+    if row_ptrs.dtype.element_ty == tl.float8e5:
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 z, a, b; mov.b32 z, 0; prmt.b32 a, $4, z, 0x1404; prmt.b32 b, $4, z, 0x3424; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    # join(join(h0, h2), join(h1, h3))[n, w, i, j] is h_(2i + j): word w's values in order
+    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (row_ptrs.shape[0], BLOCK_D))
+
+
 @triton.jit
 def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc, scale_log2,
                                DOT_PRECISION: tl.constexpr):
-    """:func:`online_softmax_step` over a tile of fp8 keys and values ``k``, ``v`` ``[N, D]`` with
-    per-token float32 scales ``k_scale``, ``v_scale`` ``[N]`` (a key is ``k_n * k_scale_n``), from the
-    query ``q`` ``[M, D]`` (float32, or float16 from :func:`half_query`); ``n_mask`` ``[N]``: the
-    tile's visible keys. The scales multiply the scores and the probabilities, not the tile:
+    """:func:`online_softmax_step` over a tile of fp8 keys and values ``k``, ``v`` ``[N, D]`` (``v``
+    fp8, or its values as float16 from :func:`load_fp8_rows`) with per-token float32 scales
+    ``k_scale``, ``v_scale`` ``[N]`` (a key is ``k_n * k_scale_n``), from the query ``q`` ``[M, D]``
+    (float32, or float16 from :func:`half_query`); ``n_mask`` ``[N]``: the tile's visible keys. The scales multiply the scores and the probabilities, not the tile:
     ``q . (s_n k_n) = s_n (q . k_n)`` and ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile
     is only converted to q's dtype, which holds every fp8 e4m3 / e5m2 value exactly. With a float16
     q, row m's weights enter the dot as ``p_mn t_n / W_m`` (W_m the row's largest ``p_mn t_n`` in the

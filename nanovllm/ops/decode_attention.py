@@ -15,8 +15,9 @@ import functools
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, half_query, interpreted, next_pow2,
-                      online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, fp8_word_loads, half_query, interpreted,
+                      load_fp8_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
+                      use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
 from .kv_quant import dequantize
@@ -97,11 +98,13 @@ def _decode_tile(
     q, k_ptr, v_ptr, ks_ptr, vs_ptr, block, n0, end, m_i, l_i, acc, d, d_mask, scale_log2,
     stride_kb, stride_ks, stride_vb, stride_vs, stride_sb, stride_ss,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One online-softmax step over the tokens n0 .. n0 + BLOCK_N - 1 (those < end); ``block``
     ``[BLOCK_N]``: each token's cache block. ``SCALED``: fp8 keys and values with per-token scales
     (``ks_ptr``, ``vs_ptr``: this KV head's), applied to the scores and probabilities
-    (:func:`scaled_online_softmax_step`)."""
+    (:func:`scaled_online_softmax_step`). ``FP8_WORDS``: the values are read with
+    :func:`load_fp8_rows`."""
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
@@ -109,8 +112,11 @@ def _decode_tile(
     block = block.to(tl.int64)
     k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
-                mask=kv_mask, other=0.0)
+    v_rows = v_ptr + block * stride_vb + offset * stride_vs
+    if FP8_WORDS:
+        v = load_fp8_rows(v_rows, n_mask, HEAD_DIM, BLOCK_D)
+    else:
+        v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
         slots = block * stride_sb + offset * stride_ss
         m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_ptr + slots, mask=n_mask, other=0.0),
@@ -140,6 +146,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr, SCALED: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
 ):
     """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
     split): the pointers and strides are the output's and the LSE's, written as the merge writes
@@ -147,7 +154,8 @@ def _decode_split_kernel(
     every KV head reads the sequence's one table, else the stride between the heads' tables.
     ``HAS_STARTS``: the split's tokens before the row's start (``starts_ptr``, a sliding window's
     first visible token) are skipped: its loop begins there, so blocks wholly before it are never
-    read. ``SCALED``: an fp8 cache with scales ``ks_ptr``, ``vs_ptr`` (strides ``stride_s*``)."""
+    read. ``SCALED``: an fp8 cache with scales ``ks_ptr``, ``vs_ptr`` (strides ``stride_s*``);
+    ``FP8_WORDS``: its values are read as words (:func:`load_fp8_rows`)."""
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(0) // G_CHUNKS
     g = (tl.program_id(0) % G_CHUNKS) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -182,7 +190,8 @@ def _decode_split_kernel(
             following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = _decode_tile(q, k_head, v_head, ks_head, vs_head, block, n0, end, m_i, l_i, acc, d,
                                          d_mask, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
-                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED)
+                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED,
+                                         FP8_WORDS, HEAD_DIM, BLOCK_D)
             block = following
             n0 += BLOCK_N
     else:
@@ -190,7 +199,8 @@ def _decode_split_kernel(
             following = _tile_blocks(table_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = _decode_tile(q, k_head, v_head, ks_head, vs_head, block, n0, end, m_i, l_i, acc, d,
                                          d_mask, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs, stride_sb,
-                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED)
+                                         stride_ss, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SCALED,
+                                         FP8_WORDS, HEAD_DIM, BLOCK_D)
             block = following
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = b * stride_pb + heads * stride_ph + split * stride_ps
@@ -287,7 +297,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         GROUP=group, G_CHUNKS=g_chunks, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=final,
-        HAS_STARTS=context_starts is not None, SCALED=scaled, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        HAS_STARTS=context_starts is not None, SCALED=scaled,
+        FP8_WORDS=scaled and fp8_word_loads(v_cache, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not final:
         _decode_reduce_kernel[(batch, heads_q)](

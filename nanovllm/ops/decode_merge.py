@@ -12,8 +12,9 @@ a second launch.
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, half_query, next_pow2,
-                      online_softmax_step, scaled_online_softmax_step, tl, triton, use_triton)
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, fp8_word_loads, half_query,
+                      load_fp8_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
+                      use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 from .kv_quant import check_scales, dequantize
 
@@ -67,15 +68,20 @@ def decode_attend_merge_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
 @triton.jit
 def _tile(q, k_head, v_head, ks_head, vs_head, n0, num_keys, m_i, l_i, acc, d, d_mask, scale_log2, stride_kn,
-          stride_vn, stride_sn, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+          stride_vn, stride_sn, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+          FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys); ``SCALED``:
     fp8 keys and values with per-token scales (this KV head's), applied to the scores and
-    probabilities (:func:`scaled_online_softmax_step`)."""
+    probabilities (:func:`scaled_online_softmax_step`); ``FP8_WORDS``: the values are read with
+    :func:`load_fp8_rows`."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+    if FP8_WORDS:
+        v = load_fp8_rows(v_head + n * stride_vn, n_mask, HEAD_DIM, BLOCK_D)
+    else:
+        v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
     if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
         m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0),
                                                    tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0), n_mask,
@@ -93,11 +99,11 @@ def _decode_attend_merge_kernel(
     scale_log2, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh, stride_oh, stride_ph,
     stride_ps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, SPLIT: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, FP8_WORDS: tl.constexpr,
 ):
     """Program (kv head, q-head chunk, part): online softmax over the part's keys; unsplit (one
     part) folded into ``(out, lse)`` here, split written to the part buffers for
-    :func:`_fold_parts_kernel`."""
+    :func:`_fold_parts_kernel`. ``FP8_WORDS``: fp8 values read as words (:func:`load_fp8_rows`)."""
     kv_head = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     part = tl.program_id(2)
@@ -119,12 +125,14 @@ def _decode_attend_merge_kernel(
         n0 = start
         while n0 < end:
             m_i, l_i, acc = _tile(q, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, d, d_mask,
-                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED)
+                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED,
+                                  FP8_WORDS, HEAD_DIM, BLOCK_D)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _tile(q, k_head, v_head, ks_head, vs_head, n0, end, m_i, l_i, acc, d, d_mask,
-                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED)
+                                  scale_log2, stride_kn, stride_vn, stride_sn, BLOCK_N, DOT_PRECISION, SCALED,
+                                  FP8_WORDS, HEAD_DIM, BLOCK_D)
     # every part has >= 1 key, so lse_blk is finite
     lse_blk = (m_i + tl.log2(l_i)) * 0.6931471805599453
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -238,7 +246,7 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         out.stride(0), part_o.stride(0), part_o.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda, SPLIT=split,
-        SCALED=scaled, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        SCALED=scaled, FP8_WORDS=scaled and fp8_word_loads(v, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if split:
         _fold_parts_kernel[(heads_q,)](

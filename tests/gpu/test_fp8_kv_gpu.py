@@ -13,6 +13,7 @@ from _gpu_util import assert_close
 from nanovllm.ops import (decode_attend_merge, decode_attend_merge_ref, decode_attention, decode_attention_ref,
                           gather_host_pages, gather_host_pages_ref, prefill_attention, prefill_attention_ref,
                           store_kvcache, store_kvcache_ref)
+from nanovllm.ops._triton import fp8_word_loads
 from nanovllm.ops.kv_quant import dequantize
 from nanovllm.ops.store_kv import KVScales
 
@@ -82,7 +83,7 @@ def test_store_kernel_equals_reference(dtype, static, wide, return_stored):
 
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads_q, heads_kv, dim", [(32, 8, 128), (16, 8, 64), (14, 2, 64)])
+@pytest.mark.parametrize("heads_q, heads_kv, dim", [(32, 8, 128), (16, 8, 64), (14, 2, 64), (8, 2, 90)])
 @pytest.mark.parametrize("per_head", [False, True], ids=["table", "per-head-tables"])
 def test_decode_kernel_matches_reference(dtype, q_dtype, heads_q, heads_kv, dim, per_head):
     contexts = [1, 255, 256, 1000, 4097, 8192]
@@ -105,6 +106,16 @@ def test_decode_kernel_matches_reference(dtype, q_dtype, heads_q, heads_kv, dim,
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     finite = torch.isfinite(want_lse)
     assert_close(lse[finite], want_lse[finite], rel=1e-3, atol=2e-2)
+
+
+def test_values_are_read_as_words_where_rows_are_4_byte_aligned():
+    """head_dim 90 (the 8-head test above) and an odd base take the fp8 tile load instead."""
+    cache = torch.zeros(4, BLOCK_SIZE, 8, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+    assert fp8_word_loads(cache, 128)
+    assert fp8_word_loads(cache[1:, :, 2:], 128)
+    assert not fp8_word_loads(cache[..., :90], 90)
+    assert not fp8_word_loads(cache.view(-1)[1:1 + 64 * 128].view(64, 1, 128), 128)
+    assert not fp8_word_loads(cache.cpu(), 128)
 
 
 @pytest.mark.parametrize("dtype", FP8)
