@@ -43,7 +43,7 @@ _FP8_BLOCK_N = 128
 """KV tokens per tile over an fp8 cache for head_dim <= 128 (half of it above): the same bytes per
 tile as a 16-bit cache's, so that the tile's fixed work (the online softmax's reductions, the
 operand layout of the converted keys and values) is spread over twice the tokens (docs/ops.md,
-'FP8 tiles and float16 dots')."""
+'FP8 tiles, values read as words, float16 dots')."""
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
