@@ -276,13 +276,14 @@ def scaled_online_softmax_step(q, k, v, k_scale, v_scale, n_mask, m_i, l_i, acc,
     """:func:`online_softmax_step` over a tile of fp8 keys and values ``k``, ``v`` ``[N, D]`` (``v``
     fp8, or its values as float16 from :func:`load_fp8_rows`) with per-token float32 scales
     ``k_scale``, ``v_scale`` ``[N]`` (a key is ``k_n * k_scale_n``), from the query ``q`` ``[M, D]``
-    (float32, or float16 from :func:`half_query`); ``n_mask`` ``[N]``: the tile's visible keys. The scales multiply the scores and the probabilities, not the tile:
-    ``q . (s_n k_n) = s_n (q . k_n)`` and ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile
-    is only converted to q's dtype, which holds every fp8 e4m3 / e5m2 value exactly. With a float16
-    q, row m's weights enter the dot as ``p_mn t_n / W_m`` (W_m the row's largest ``p_mn t_n`` in the
-    tile), at most 1 and in float16's normal range down to 2^-14 of the largest, whatever the
-    scales (FlashAttention's float16 probabilities are relative to the row's largest in the same
-    way), and the dot's row m is multiplied by W_m. Returns the new ``(m_i, l_i, acc)``."""
+    (float32, or float16 from :func:`half_query`); ``n_mask`` ``[N]``: the tile's visible keys. The
+    scales multiply the scores and the probabilities, not the tile: ``q . (s_n k_n) = s_n (q . k_n)``
+    and ``sum_n p_n (t_n v_n) = sum_n (p_n t_n) v_n``, so the tile is only converted to q's dtype,
+    which holds every fp8 e4m3 / e5m2 value exactly. With a float16 q, row m's weights enter the dot
+    as ``p_mn t_n / W_m`` (W_m the row's largest ``p_mn t_n`` in the tile), at most 1 and in
+    float16's normal range down to 2^-14 of the largest, whatever the scales (FlashAttention's
+    float16 probabilities are relative to the row's largest in the same way), and the dot's row m is
+    multiplied by W_m. Returns the new ``(m_i, l_i, acc)``."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
