@@ -249,10 +249,9 @@ def load_fp8_rows(row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.conste
     ``[N]`` is False and past ``HEAD_DIM``); ``row_ptrs`` ``[N]`` point at each row's first value,
     4-byte aligned (:func:`fp8_word_loads`). The rows are read as 32-bit words and each word becomes
     four float16 in registers: ``cvt.rn.f16x2.e4m3x2`` per pair for e4m3, and for e5m2 (float16's
-    high byte) two ``prmt``. A tile read as fp8 and converted where ``tl.dot`` takes it is gathered
-    from shared memory byte by byte when it is the dot's second operand with the tokens along the
-    reduction, as the values of ``p @ v`` are; converted first, it reaches the dot as float16
-    (``ldmatrix.trans``). Compiled kernels only (inline PTX; e4m3 needs sm_89, as its cache does)."""
+    high byte) two ``prmt``. For a tile that is a dot's second operand with its reduction strided
+    in memory (the values of ``p @ v``): docs/ops.md, "FP8 tiles, values read as words, float16
+    dots". Compiled kernels only (inline PTX; e4m3 needs sm_89, as its cache does)."""
     w = tl.arange(0, BLOCK_D // 4)
     words = tl.load(row_ptrs[:, None].to(tl.pointer_type(tl.int32)) + w[None, :],
                     mask=row_mask[:, None] & (w < HEAD_DIM // 4)[None, :], other=0)

@@ -82,8 +82,9 @@ def test_store_kernel_equals_reference(dtype, static, wide, return_stored):
 
 
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads_q, heads_kv, dim", [(32, 8, 128), (16, 8, 64), (14, 2, 64), (8, 2, 90)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads_q, heads_kv, dim",
+                         [(32, 8, 128), (16, 8, 64), (14, 2, 64), (8, 2, 90), (8, 2, 80), (16, 4, 256), (8, 8, 32)])
 @pytest.mark.parametrize("per_head", [False, True], ids=["table", "per-head-tables"])
 def test_decode_kernel_matches_reference(dtype, q_dtype, heads_q, heads_kv, dim, per_head):
     contexts = [1, 255, 256, 1000, 4097, 8192]
@@ -109,7 +110,8 @@ def test_decode_kernel_matches_reference(dtype, q_dtype, heads_q, heads_kv, dim,
 
 
 def test_values_are_read_as_words_where_rows_are_4_byte_aligned():
-    """head_dim 90 (the 8-head test above) and an odd base take the fp8 tile load instead."""
+    """head_dim 90 (the decode test above) and an odd base (the ring-fold test below) take the fp8
+    tile load instead."""
     cache = torch.zeros(4, BLOCK_SIZE, 8, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
     assert fp8_word_loads(cache, 128)
     assert fp8_word_loads(cache[1:, :, 2:], 128)
@@ -138,11 +140,19 @@ def test_decode_kernel_with_window_starts_and_cuda_graph(dtype):
 
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("num_keys", [256, 4096], ids=["one-part", "split"])
-def test_ring_fold_kernel_matches_reference(dtype, num_keys):
-    k_cache, v_cache, scales, _ = _fp8_cache([num_keys], 2, 128, dtype)
-    k, v = k_cache[:num_keys // BLOCK_SIZE].flatten(0, 1), v_cache[:num_keys // BLOCK_SIZE].flatten(0, 1)
-    k_scale = scales.k_scale[:num_keys // BLOCK_SIZE].flatten(0, 1)
-    v_scale = scales.v_scale[:num_keys // BLOCK_SIZE].flatten(0, 1)
+@pytest.mark.parametrize("layout", ["contiguous", "rows-from-5", "odd-base"])
+def test_ring_fold_kernel_matches_reference(dtype, num_keys, layout):
+    """``rows-from-5``: a view that starts 5 rows in (a ring half's later keys); ``odd-base``: the
+    values copied to a buffer whose first byte is not 4-byte aligned, so the fp8 tile load runs."""
+    k_cache, v_cache, scales, _ = _fp8_cache([num_keys + 256], 2, 128, dtype)
+    first = 5 if layout == "rows-from-5" else 0
+    k, v, k_scale, v_scale = (t[:num_keys // BLOCK_SIZE + 1].flatten(0, 1)[first:first + num_keys]
+                              for t in (k_cache, v_cache, scales.k_scale, scales.v_scale))
+    if layout == "odd-base":
+        v = torch.empty(v.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(v.shape).copy_(v)
+        assert not fp8_word_loads(v, 128)
+    else:
+        assert fp8_word_loads(v, 128)
     q = torch.randn(16, 128, device=DEVICE, dtype=torch.bfloat16)
     states = [(torch.randn(16, 128, device=DEVICE), torch.randn(16, device=DEVICE)) for _ in range(1)]
     states.append((states[0][0].clone(), states[0][1].clone()))
