@@ -26,6 +26,8 @@ from numbers import Integral, Real
 
 import torch
 
+from nanovllm.utils.dtypes import FP8_DTYPES
+
 try:
     import triton
     import triton.language as tl
@@ -235,12 +237,12 @@ def half_query(q, scale_log2):
 
 
 def fp8_word_loads(cache: torch.Tensor, head_dim: int) -> bool:
-    """Whether a compiled kernel reads rows of the fp8 ``cache`` (``[..., head_dim]``, last dimension
-    contiguous) with :func:`load_fp8_rows`: True on CUDA when every row starts 4-byte aligned
-    (``head_dim``, the other strides and the base a multiple of 4 bytes); False under the
-    interpreter, which runs no inline assembly."""
-    return (not interpreted(cache) and head_dim % 4 == 0 and cache.data_ptr() % 4 == 0
-            and all(stride % 4 == 0 for stride in cache.stride()[:-1]))
+    """Whether a compiled kernel reads rows of ``cache`` (``[..., head_dim]``, last dimension
+    contiguous) with :func:`load_fp8_rows`: True for an fp8 cache on CUDA whose every row starts
+    4-byte aligned (``head_dim``, the other strides and the base a multiple of 4 bytes); False for
+    another dtype, and under the interpreter, which runs no inline assembly."""
+    return (cache.dtype in FP8_DTYPES and not interpreted(cache) and head_dim % 4 == 0
+            and cache.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in cache.stride()[:-1]))
 
 
 @triton.jit
@@ -267,6 +269,19 @@ def load_fp8_rows(row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.conste
             "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
     # join(join(h0, h2), join(h1, h3))[n, w, i, j] is h_(2i + j): word w's values in order
     return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (row_ptrs.shape[0], BLOCK_D))
+
+
+@triton.jit
+def load_value_rows(row_ptrs, row_mask, d, d_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    FP8_WORDS: tl.constexpr):
+    """A value tile ``[N, BLOCK_D]``: the rows at ``row_ptrs`` ``[N]`` (0 where ``row_mask`` or
+    ``d_mask`` is False; ``d`` = ``arange(BLOCK_D)``), as stored, or with ``FP8_WORDS``
+    (:func:`fp8_word_loads`) an fp8 cache's rows as float16 (:func:`load_fp8_rows`)."""
+    if FP8_WORDS:
+        v = load_fp8_rows(row_ptrs, row_mask, HEAD_DIM, BLOCK_D)
+    else:
+        v = tl.load(row_ptrs[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    return v
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, fp8_word_loads, half_query, interpreted,
-                      load_fp8_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
+                      load_value_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
                       use_triton)
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
@@ -104,7 +104,7 @@ def _decode_tile(
     ``[BLOCK_N]``: each token's cache block. ``SCALED``: fp8 keys and values with per-token scales
     (``ks_ptr``, ``vs_ptr``: this KV head's), applied to the scores and probabilities
     (:func:`scaled_online_softmax_step`). ``FP8_WORDS``: the values are read with
-    :func:`load_fp8_rows`."""
+    :func:`load_fp8_rows` (:func:`load_value_rows`)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = (pos < end) & (block >= 0)  # a -1 table entry reads nothing
     offset = pos % BLOCK_SIZE
@@ -112,11 +112,8 @@ def _decode_tile(
     block = block.to(tl.int64)
     k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)
-    v_rows = v_ptr + block * stride_vb + offset * stride_vs
-    if FP8_WORDS:
-        v = load_fp8_rows(v_rows, n_mask, HEAD_DIM, BLOCK_D)
-    else:
-        v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = load_value_rows(v_ptr + block * stride_vb + offset * stride_vs, n_mask, d, d_mask, HEAD_DIM, BLOCK_D,
+                        FP8_WORDS)
     if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
         slots = block * stride_sb + offset * stride_ss
         m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_ptr + slots, mask=n_mask, other=0.0),
@@ -298,7 +295,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         BLOCK_N=block_n, BLOCK_SIZE=block_size, WHILE_LOOP=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FINAL=final,
         HAS_STARTS=context_starts is not None, SCALED=scaled,
-        FP8_WORDS=scaled and fp8_word_loads(v_cache, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        FP8_WORDS=fp8_word_loads(v_cache, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not final:
         _decode_reduce_kernel[(batch, heads_q)](

@@ -13,7 +13,7 @@ a second launch.
 import torch
 
 from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, fp8_word_loads, half_query,
-                      load_fp8_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
+                      load_value_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
                       use_triton)
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 from .kv_quant import check_scales, dequantize
@@ -73,15 +73,12 @@ def _tile(q, k_head, v_head, ks_head, vs_head, n0, num_keys, m_i, l_i, acc, d, d
     """One online-softmax step over keys n0 .. n0 + BLOCK_N - 1 (those < num_keys); ``SCALED``:
     fp8 keys and values with per-token scales (this KV head's), applied to the scores and
     probabilities (:func:`scaled_online_softmax_step`); ``FP8_WORDS``: the values are read with
-    :func:`load_fp8_rows`."""
+    :func:`load_fp8_rows` (:func:`load_value_rows`)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < num_keys
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-    if FP8_WORDS:
-        v = load_fp8_rows(v_head + n * stride_vn, n_mask, HEAD_DIM, BLOCK_D)
-    else:
-        v = tl.load(v_head + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+    v = load_value_rows(v_head + n * stride_vn, n_mask, d, d_mask, HEAD_DIM, BLOCK_D, FP8_WORDS)
     if SCALED:  # one return at the end: Triton compiles the statements after a return in a branch
         m_i, l_i, acc = scaled_online_softmax_step(q, k, v, tl.load(ks_head + n * stride_sn, mask=n_mask, other=0.0),
                                                    tl.load(vs_head + n * stride_sn, mask=n_mask, other=0.0), n_mask,
@@ -246,7 +243,7 @@ def decode_attend_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         out.stride(0), part_o.stride(0), part_o.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=not q.is_cuda, SPLIT=split,
-        SCALED=scaled, FP8_WORDS=scaled and fp8_word_loads(v, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        SCALED=scaled, FP8_WORDS=fp8_word_loads(v, dim), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if split:
         _fold_parts_kernel[(heads_q,)](
