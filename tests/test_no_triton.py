@@ -27,7 +27,7 @@ CHILD = """
 import importlib.util, json, sys
 sys.modules["triton"] = None  # an uninstalled package, as import and find_spec see it
 from nanovllm import LLM, SamplingParams
-from nanovllm.ops import _triton
+from nanovllm.ops import backend
 model_dir, defaults, configs, prompts, max_tokens = json.loads(sys.argv[1])
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 tokens = {}
@@ -35,7 +35,7 @@ for name, config in configs.items():
     with LLM(model_dir, **{**defaults, **config}) as llm:
         tokens[name] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
 loaded = sorted(m for m in sys.modules if m == "triton" or m.startswith("triton."))
-print(json.dumps({"has_triton": _triton.HAS_TRITON, "find_spec": importlib.util.find_spec("triton") is None,
+print(json.dumps({"has_triton": backend.HAS_TRITON, "find_spec": importlib.util.find_spec("triton") is None,
                   "triton_modules": loaded, "tokens": tokens}))
 """
 

@@ -41,8 +41,8 @@ from nanovllm.kvcache.context import reset_context, set_context
 from nanovllm.kvcache.spec import uniform_storage
 from nanovllm.kvcache.step_inputs import StepInputs
 from nanovllm.kvcache.window import widest_window, window_start
-from nanovllm.ops._triton import cdiv
 from nanovllm.ops.kv_quant import SCALE_DTYPE, dequantize
+from nanovllm.utils.ints import cdiv
 from nanovllm.utils.tensors import to_device
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ their block, so :meth:`ReuseCache.forget` drops the cells holding pages of rewri
 """
 import torch
 
-from nanovllm.ops._triton import cdiv
 from nanovllm.sparse import policy_class
+from nanovllm.utils.ints import cdiv
 
 DEFAULT_ROWS_PER_PICK = 2
 """Default reuse-cache cells per KV head and layer for each page one sequence picks per step: a

@@ -27,8 +27,8 @@ import torch
 from nanovllm.kvcache.block_manager import NO_BLOCK
 from nanovllm.kvcache.reuse import ReuseCache
 from nanovllm.kvcache.tier_rows import TierRows
-from nanovllm.ops._triton import cdiv
 from nanovllm.sparse import DecodeCandidates, SparsePolicy
+from nanovllm.utils.ints import cdiv
 from nanovllm.utils.tensors import padded_rows, to_device
 
 

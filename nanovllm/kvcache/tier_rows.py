@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.ops._triton import cdiv
 from nanovllm.sparse import policy_class
+from nanovllm.utils.ints import cdiv
 
 STAGING_SEQS = 8
 """Sequences whose host-tier reads the staging rows hold at once."""

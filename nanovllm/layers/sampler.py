@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.ops._triton import interpreted, use_triton
+from nanovllm.ops.backend import interpreted, use_triton
 from nanovllm.ops.sample_race import SEED_HIGH, sample_race
 from nanovllm.utils.tensors import to_device
 

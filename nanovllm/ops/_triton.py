@@ -1,10 +1,6 @@
-"""Triton availability, kernel dispatch and shared argument checks for ``nanovllm.ops``.
-
-A kernel module decorates its kernels with ``triton.jit`` from here. Without Triton (CPU-only
-installs, macOS, Windows) ``triton.jit`` is a stand-in that returns the function unchanged, in both
-forms ``@triton.jit`` and ``@triton.jit(do_not_specialize=...)``, and ``tl.constexpr`` a
-placeholder, so the modules still import; ``use_triton`` is then always False and no kernel is
-launched.
+"""What the kernel modules of ``nanovllm.ops`` share: constants, argument checks, tile widths and
+the Triton functions several kernels call. Whether Triton is installed and which path a tensor
+takes: :mod:`nanovllm.ops.backend`.
 
 Compiled variants. Triton compiles a kernel once per specialisation key: its constexpr values and,
 for every int argument not listed in ``do_not_specialize``, whether it is 1 and whether it is a
@@ -20,28 +16,13 @@ lets Triton vectorise the loads. ``tests/test_compile_variants.py`` counts the k
 
 import math
 import operator
-import os
-import types
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
 from nanovllm.utils.dtypes import FP8_DTYPES
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:
-
-    def _jit_stand_in(fn=None, **_options):
-        """``triton.jit`` without Triton: the function itself, decorated bare or with options."""
-        return fn if fn is not None else _jit_stand_in
-
-    triton = types.SimpleNamespace(jit=_jit_stand_in)
-    tl = types.SimpleNamespace(constexpr=None)
-    HAS_TRITON = False
+from .backend import interpreted, tl, triton
 
 LOG2E = 1.4426950408889634
 """log2(e): kernels run softmax in base 2 (``exp2``), so scales are multiplied by it."""
@@ -53,21 +34,6 @@ MIN_DOT_ROWS = 16
 
 MAX_HEAD_DIM = 256
 """Largest head_dim any op accepts (Triton tiles pad head_dim to a power of two <= this)."""
-
-INTERPRET_ENV = "NANOVLLM_TRITON_INTERPRET"
-"""Set to "1" (together with TRITON_INTERPRET=1 before Triton is imported) to run the Triton
-kernels on CPU tensors through Triton's interpreter; the tests use it. The interpreter computes
-bfloat16 ``tl.dot`` wrongly (numpy has no bfloat16), so use float16/float32 inputs there."""
-
-
-def use_triton(tensor: torch.Tensor) -> bool:
-    """True when the Triton kernel should handle ``tensor``: a CUDA tensor, or a CPU tensor while
-    both ``NANOVLLM_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1`` are set. False without Triton."""
-    if not HAS_TRITON:
-        return False
-    if tensor.is_cuda:
-        return True
-    return os.environ.get(INTERPRET_ENV) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -82,12 +48,6 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (>= 1)"
         )
-
-
-def is_pow2(n: int) -> bool:
-    """True for an integer (any ``numbers.Integral`` but bool) power of two; False for anything
-    else, floats included."""
-    return isinstance(n, Integral) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -175,12 +135,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def interpreted(tensor: torch.Tensor) -> bool:
-    """True when the Triton path for ``tensor`` runs under Triton's interpreter (a CPU tensor):
-    nothing is compiled there, and every tile element costs numpy work."""
-    return not tensor.is_cuda
-
-
 MIN_ROW_TILE = 128
 """Smallest compiled :func:`row_tile`."""
 
@@ -192,11 +146,6 @@ def row_tile(n: int, interpret: bool = False) -> int:
     more each octave above. Under the interpreter (``interpret``) the bare power of two, since
     nothing is compiled there and wide tiles only slow the CPU tests (docs/ops.md, 'Conventions')."""
     return next_pow2(n) if interpret else max(MIN_ROW_TILE, next_pow2(n))
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
 
 
 def block_dim(head_dim: int) -> int:

@@ -15,7 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, check_causal, interpreted, is_pow2, row_tile, tl, triton, use_triton
+from nanovllm.utils.ints import cdiv, is_pow2
+
+from ._triton import check_causal, row_tile
+from .backend import interpreted, tl, triton, use_triton
 
 
 class BlockLists(NamedTuple):

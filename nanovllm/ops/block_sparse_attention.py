@@ -15,10 +15,11 @@ FlexAttention backend it replaced: docs/benchmarks.md, 'XAttention kernels at 32
 
 import torch
 
-from ._triton import (
-    LOG2E, block_dim, both_or_neither, cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim,
-    check_same_device, check_scale, is_pow2, online_softmax_step, row_group_descriptor, tl, triton, use_triton,
-)
+from nanovllm.utils.ints import cdiv, is_pow2
+
+from ._triton import (LOG2E, block_dim, both_or_neither, check_causal, check_float_dtype, check_gqa, check_head_dim,
+                      check_same_device, check_scale, online_softmax_step, row_group_descriptor)
+from .backend import tl, triton, use_triton
 from .block_lists import kept_block_lists
 
 

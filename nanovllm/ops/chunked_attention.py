@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from ._triton import check_gqa, check_head_dim, next_pow2, tl, triton, use_triton
+from ._triton import check_gqa, check_head_dim, next_pow2
+from .backend import tl, triton, use_triton
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,11 @@ import functools
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, fp8_word_loads, half_query, interpreted,
-                      load_value_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
-                      use_triton)
+from nanovllm.utils.ints import cdiv
+
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, fp8_word_loads, half_query, load_value_rows, next_pow2,
+                      online_softmax_step, scaled_online_softmax_step)
+from .backend import interpreted, tl, triton, use_triton
 from .chunked_attention import flash_attn_with_lse_ref
 from .decode_cpu import check_context_lens, check_decode_args, decode_cpu
 from .kv_quant import dequantize

@@ -12,9 +12,11 @@ a second launch.
 
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, fp8_word_loads, half_query,
-                      load_value_rows, next_pow2, online_softmax_step, scaled_online_softmax_step, tl, triton,
-                      use_triton)
+from nanovllm.utils.ints import cdiv
+
+from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, fp8_word_loads, half_query,
+                      load_value_rows, next_pow2, online_softmax_step, scaled_online_softmax_step)
+from .backend import tl, triton, use_triton
 from .chunked_attention import flash_attn_with_lse_ref, merge_attention_outputs_ref
 from .kv_quant import check_scales, dequantize
 

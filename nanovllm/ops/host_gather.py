@@ -12,7 +12,8 @@ heads a KV head did not pick are not read.
 
 import torch
 
-from ._triton import block_dim, next_pow2, tl, triton, use_triton
+from ._triton import block_dim, next_pow2
+from .backend import tl, triton, use_triton
 
 
 def _check_gather_args(src_k, src_v, src_pages, heads, dst_k, dst_v, dst_pages) -> None:

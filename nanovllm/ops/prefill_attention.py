@@ -5,7 +5,9 @@ import logging
 
 import torch
 
-from ._triton import cdiv, check_gqa, check_head_dim
+from nanovllm.utils.ints import cdiv
+
+from ._triton import check_gqa, check_head_dim
 from .chunked_attention import flash_attn_with_lse, flash_attn_with_lse_ref, merge_attention_outputs
 from .kv_quant import check_scales
 from .store_kv import gather_kvcache

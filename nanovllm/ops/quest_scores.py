@@ -12,8 +12,10 @@ that no head whose bounds are large everywhere decides for the others.
 """
 import torch
 
-from ._triton import (LOG2E, MIN_DOT_ROWS, block_dim, cdiv, check_gqa, check_head_dim, interpreted, next_pow2,
-                      row_tile, tl, triton, use_triton)
+from nanovllm.utils.ints import cdiv
+
+from ._triton import LOG2E, MIN_DOT_ROWS, block_dim, check_gqa, check_head_dim, next_pow2, row_tile
+from .backend import interpreted, tl, triton, use_triton
 
 _BLOCK_P = 64
 """Candidate pages per program of :func:`page_bounds`."""

@@ -12,7 +12,8 @@ by the weight and rounded again.
 import torch
 import torch.nn.functional as F
 
-from ._triton import next_pow2, tl, triton, use_triton
+from ._triton import next_pow2
+from .backend import tl, triton, use_triton
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import next_pow2, tl, triton, use_triton
+from ._triton import next_pow2
+from .backend import tl, triton, use_triton
 from .rmsnorm import rms_norm, rms_norm_ref
 from .store_kv import check_store_args, store_kvcache, store_kvcache_ref
 

@@ -22,7 +22,10 @@ import torch
 
 from nanovllm.sampling_params import SAMPLING_EPS
 
-from ._triton import cdiv, interpreted, next_pow2, tl, triton, use_triton
+from nanovllm.utils.ints import cdiv
+
+from ._triton import next_pow2
+from .backend import interpreted, tl, triton, use_triton
 
 _BLOCK = 1024
 """Tokens per Philox draw block: one ``rand4x`` call yields 4 blocks, so a program covers 4096."""

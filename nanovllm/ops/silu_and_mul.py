@@ -9,7 +9,10 @@ bfloat16/float16 input rounds twice: the silu, then the product).
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, next_pow2, tl, triton, use_triton
+from nanovllm.utils.ints import cdiv
+
+from ._triton import next_pow2
+from .backend import tl, triton, use_triton
 
 MAX_BLOCK = 1024
 """Widest column tile of one program: a row of d columns takes ``cdiv(d, tile)`` programs."""

@@ -5,7 +5,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, check_head_dim, next_pow2, tl, triton, use_triton
+from nanovllm.utils.ints import cdiv
+
+from ._triton import check_head_dim, next_pow2
+from .backend import tl, triton, use_triton
 from .kv_quant import (MIN_SCALE, check_scales, dequantize, fp8_mantissa_bits, fp8_max, fp8_subnormal_spacing,
                        quantize_ref)
 

@@ -10,7 +10,9 @@ cached prefix that the window shows (:func:`nanovllm.ops.prefill_attention`).
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, check_gqa, check_head_dim
+from nanovllm.utils.ints import cdiv
+
+from ._triton import check_gqa, check_head_dim
 from .store_kv import gather_kvcache
 
 _MIN_TILE = 256

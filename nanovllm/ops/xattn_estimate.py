@@ -21,10 +21,11 @@ interpreter), are in :mod:`nanovllm.ops.xattn_estimate_triton`.
 
 import torch
 
-from ._triton import (
-    cdiv, check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset, check_same_device, check_scale,
-    is_pow2, use_triton,
-)
+from nanovllm.utils.ints import cdiv, is_pow2
+
+from ._triton import (check_causal, check_float_dtype, check_gqa, check_head_dim, check_offset, check_same_device,
+                      check_scale)
+from .backend import use_triton
 from .xattn_estimate_triton import launch_block_scores
 
 

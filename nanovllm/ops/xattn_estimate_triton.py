@@ -10,7 +10,10 @@ sums them into normalised block scores. :func:`launch_block_scores` runs both.
 
 import torch
 
-from ._triton import LOG2E, block_dim, both_or_neither, cdiv, interpreted, row_group_descriptor, row_tile, tl, triton
+from nanovllm.utils.ints import cdiv
+
+from ._triton import LOG2E, block_dim, both_or_neither, row_group_descriptor, row_tile
+from .backend import interpreted, tl, triton
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Attention with Antidiagonal Scoring", 2025): :func:`xattn_block_mask` estimates 
 
 import torch
 
-from ._triton import cdiv
+from nanovllm.utils.ints import cdiv
+
 from .xattn_estimate import _check_estimate_args, xattn_block_scores
 from .xattn_select import xattn_select_blocks
 

@@ -12,7 +12,10 @@ from numbers import Real
 
 import torch
 
-from ._triton import cdiv, check_causal, interpreted, row_tile, tl, triton, use_triton
+from nanovllm.utils.ints import cdiv
+
+from ._triton import check_causal, row_tile
+from .backend import interpreted, tl, triton, use_triton
 
 
 def _as_int(name: str, value, minimum: int) -> int:

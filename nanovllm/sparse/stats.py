@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from nanovllm.ops._triton import cdiv
+from nanovllm.utils.ints import cdiv
 
 PHASES = ("prefill", "decode")
 

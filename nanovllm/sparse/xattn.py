@@ -13,9 +13,9 @@ from numbers import Real
 
 import torch
 
-from nanovllm.ops._triton import is_pow2
 from nanovllm.ops.xattn_mask import xattn_block_mask
 from nanovllm.utils.checks import is_integer
+from nanovllm.utils.ints import is_pow2
 from nanovllm.sparse.policy import SparsePolicy, register_policy
 
 
