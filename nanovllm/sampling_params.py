@@ -135,8 +135,10 @@ class SamplingParams:
     output_kind: object = field(default=None, repr=False)
     extra_args: dict | None = field(default=None, repr=False)
     skip_clone: bool = field(default=False, repr=False)
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
-    """The token sequences of ``bad_words``, set by the engine when the request is queued."""
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    """The token sequences of ``bad_words`` (vLLM's ``bad_words_token_ids``): set by the engine from
+    the model's tokenizer when the request is queued (``RequestChecker.bad_words_token_ids``), read by
+    the sampler's masks."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -262,12 +264,12 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Some of ``allowed_token_ids``, ``logit_bias`` or bad words is set."""
-        return self.allowed_token_ids is not None or bool(self.logit_bias) or bool(self._bad_words_token_ids)
+        return self.allowed_token_ids is not None or bool(self.logit_bias) or bool(self.bad_words_token_ids)
 
     @property
     def has_multi_token_bad_words(self) -> bool:
         """A bad word of several tokens: its mask depends on the last generated tokens."""
-        return any(len(ids) > 1 for ids in self._bad_words_token_ids or ())
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
 
     @property
     def has_penalties(self) -> bool:

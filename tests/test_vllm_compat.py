@@ -254,7 +254,7 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     allowed = [50, 60, 70]
     outs = llm.generate([prompt, prompt, prompt, prompt], [
         greedy(6, allowed_token_ids=allowed), greedy(6, logit_bias={99: 1e4}),
-        greedy(6, _bad_words_token_ids=[[plain[1], plain[2]]]), greedy(6)], use_tqdm=False)
+        greedy(6, bad_words_token_ids=[[plain[1], plain[2]]]), greedy(6)], use_tqdm=False)
     masked, biased, bad, untouched = (o.outputs[0].token_ids for o in outs)
     assert set(masked) <= set(allowed)
     assert biased == [99] * 6

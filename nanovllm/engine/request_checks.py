@@ -74,7 +74,7 @@ class RequestChecker:
             if bad:
                 raise ValueError(f"{name}: {field} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if params.bad_words:
-            params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is None:

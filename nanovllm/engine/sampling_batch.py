@@ -99,9 +99,9 @@ def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, dev
         banned = set()
         if seq.num_completion_tokens < params.min_tokens:
             banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        if params._bad_words_token_ids:
+        if params.bad_words_token_ids:
             output = seq.completion_token_ids
-            banned |= {ids[-1] for ids in params._bad_words_token_ids
+            banned |= {ids[-1] for ids in params.bad_words_token_ids
                        if len(ids) == 1 or (len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1:] == ids[:-1])}
         banned = sorted(t for t in banned if t < vocab_size)
         rows += [i] * len(banned)
