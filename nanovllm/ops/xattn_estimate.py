@@ -51,8 +51,15 @@ def query_offset(q: torch.Tensor, k: torch.Tensor, offset) -> int:
     return k.shape[0] - q.shape[0] if offset is None else offset
 
 
-def _check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> tuple[int, int]:
-    """:func:`_check_qk` and the block size; returns ``(stride, block_size)`` as ints."""
+def check_estimate_args(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> tuple[int, int]:
+    """The arguments of an estimate (:func:`xattn_block_scores`): q ``[Sq, Hq, D]`` and k ``[Sk, Hkv,
+    D]`` on one device with one D and one float dtype, GQA heads, a supported head_dim, ``stride`` a
+    power of two in 1..64 and ``block_size`` a power of two in stride..1024. Returns ``(stride,
+    block_size)`` as ints (numpy integers pass the check and must not reach Triton).
+
+    Raises:
+        ValueError: naming the argument and the value.
+    """
     stride = _check_qk(q, k, stride)
     if not is_pow2(block_size) or block_size < stride or block_size > 1024:
         raise ValueError(
@@ -100,7 +107,7 @@ def xattn_block_scores_ref(
     Materialises the reshaped Q'/K' and one head's ``[Sq/stride, Sk/stride]`` score matrix at a
     time, in float32 (float64 inputs compute in float64); the result is float32.
     """
-    stride, block_size = _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = check_estimate_args(q, k, stride, block_size)
     offset = query_offset(q, k, offset)
     scale, causal = check_scale(scale), check_causal(causal)
     seq_q, heads_q, dim = q.shape
@@ -197,7 +204,7 @@ def xattn_block_scores(
     CPU: :func:`xattn_block_scores_ref` (or the kernels under the interpreter, see
     ``nanovllm.ops._triton``).
     """
-    stride, block_size = _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = check_estimate_args(q, k, stride, block_size)
     offset = query_offset(q, k, offset)
     scale, causal = check_scale(scale), check_causal(causal)
     scale = q.shape[2] ** -0.5 if scale is None else scale

@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.utils.ints import cdiv
 
-from .xattn_estimate import _check_estimate_args, xattn_block_scores
+from .xattn_estimate import check_estimate_args, xattn_block_scores
 from .xattn_select import xattn_select_blocks
 
 
@@ -39,7 +39,7 @@ def xattn_block_mask(
         ValueError: bad shapes, stride, block_size or threshold, ``Sk < Sq``, or a chunk_size that
             is not a positive multiple of block_size.
     """
-    stride, block_size = _check_estimate_args(q, k, stride, block_size)
+    stride, block_size = check_estimate_args(q, k, stride, block_size)
     seq_q, seq_k = q.shape[0], k.shape[0]
     if seq_k < seq_q:
         raise ValueError(f"causal prefill needs Sk >= Sq; got Sq={seq_q}, Sk={seq_k}")
