@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from nanovllm.kvcache.host_memory import HostMemory, _cudart_call, _REGISTER_FLAGS
+from nanovllm.kvcache.host_memory import HostMemory, register_host_range, unregister_host_range
 
 
 def _steps(duration_s: float, ops: int, x: torch.Tensor) -> list[float]:
@@ -55,10 +55,10 @@ def main():
     step = args.chunk_mib << 20
     t = time.perf_counter()
     for offset in range(0, nbytes, step):
-        _cudart_call("cudaHostRegister", base + offset, min(step, nbytes - offset), _REGISTER_FLAGS)
+        register_host_range(base + offset, min(step, nbytes - offset))
     report["cudaHostRegister_gb_per_s"] = round(nbytes / (time.perf_counter() - t) / 1e9, 2)
     for offset in range(0, nbytes, step):
-        _cudart_call("cudaHostUnregister", base + offset)
+        unregister_host_range(base + offset)
     x = torch.randn(256, 256, device="cuda")
     _steps(0.5, args.ops, x)  # warm-up
     report["steps_alone"] = _summary(_steps(2.0, args.ops, x))

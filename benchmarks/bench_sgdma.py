@@ -23,7 +23,7 @@ import statistics
 import torch
 
 from nanovllm.kvcache import memcpy2d as sgdma
-from nanovllm.kvcache.memcpy2d import _memcpy_2d_torch, memcpy_2d_async
+from nanovllm.kvcache.memcpy2d import memcpy_2d_async, memcpy_2d_torch
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -85,9 +85,9 @@ def bench_layout(block_tokens: int, num_blocks: int, repeats: int, contiguous: d
         def run():
             for b in blocks:
                 if direction == "h2d":
-                    _memcpy_2d_torch(buf, host[0, b], block_bytes, host_pitch, block_bytes, LAYERS)
+                    memcpy_2d_torch(buf, host[0, b], block_bytes, host_pitch, block_bytes, LAYERS)
                 else:
-                    _memcpy_2d_torch(host[0, b], buf, host_pitch, block_bytes, block_bytes, LAYERS)
+                    memcpy_2d_torch(host[0, b], buf, host_pitch, block_bytes, block_bytes, LAYERS)
         return run
 
     all_blocks = list(range(num_blocks))
@@ -144,7 +144,7 @@ def main():
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "backend": backend,
-        "load_error": sgdma._load_error,
+        "load_error": sgdma.load_error(),
         "contiguous": contiguous,
         "layouts": layouts,
         "target_ratio": TARGET,

@@ -7,7 +7,7 @@ It compares what one program issues per cache dtype, not time: the loop over a t
 the same code per tile, so the work per key shows where a cache dtype spends instructions. The
 variant compiled is bench.py's decode shape (Qwen3-0.6B: GQA group 2, head_dim 128, blocks of
 256 tokens, a bfloat16 query), with the 16-byte divisibility the JIT finds for the engine's
-pointers and strides, and each cache's tile of the engine (``_BLOCK_N``, ``_FP8_BLOCK_N``) unless
+pointers and strides, and each cache's tile of the engine (``split_block_n``) unless
 ``--block-n`` is given, and fp8 values read as words (``load_fp8_rows``). Instructions are the
 PTX lines that start with an opcode, indented or not (the conversions Triton writes as inline
 assembly are not indented), and the statements of inline-assembly blocks (``{ ...; ...; }``),
@@ -64,9 +64,9 @@ def census(cache: str, arch: int, block_n: int | None = None) -> dict:
     """The split kernel over a ``cache`` (a key of :data:`CACHE_TYPES`) for ``sm_<arch>``:
     instructions by opcode, in the kernel and in its tile loop, and the loop's warp instructions
     per key."""
-    names = decode._decode_split_kernel.arg_names
+    names = decode.decode_split_kernel.arg_names
     scaled = cache != "bfloat16"
-    tile = block_n or (decode._FP8_BLOCK_N if scaled else decode._BLOCK_N)
+    tile = block_n or decode.split_block_n(scaled, 128)
     consts = dict(GROUP=2, G_CHUNKS=1, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=tile, BLOCK_SIZE=256,
                   DOT_PRECISION="tf32", WHILE_LOOP=False, FINAL=False, HAS_STARTS=False, SCALED=scaled,
                   FP8_WORDS=scaled)
@@ -75,7 +75,7 @@ def census(cache: str, arch: int, block_n: int | None = None) -> dict:
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in consts and any(n.endswith(a) or n == a for a in _ALIGNED)}
-    source = ASTSource(fn=decode._decode_split_kernel, signature=signature,
+    source = ASTSource(fn=decode.decode_split_kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     ptx = triton_compile(source, target=GPUTarget("cuda", arch, 32),
                          options={"num_warps": _NUM_WARPS, "num_stages": 2}).asm["ptx"]

@@ -179,7 +179,7 @@ WORKLOADS = {
     "decode_steps": (decode_steps, {
         # the split kernel: FINAL (one split writes the output, contexts under 512 here) or not, for
         # KV blocks and for pages
-        "decode_attention._decode_split_kernel": 4, "decode_attention._decode_reduce_kernel": 1,
+        "decode_attention.decode_split_kernel": 4, "decode_attention._decode_reduce_kernel": 1,
         "decode_merge._decode_attend_merge_kernel": 1, "chunked_attention._merge_kernel": 1,
         "host_gather._gather_host_pages_kernel": 1, "quest_scores._page_bounds_kernel": 1}),
 }

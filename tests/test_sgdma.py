@@ -247,7 +247,7 @@ def test_loader_falls_back_to_torch_when_the_jit_build_fails(fresh_loader, caplo
     fresh_loader.setattr(cpp_extension, "load", broken)
     with caplog.at_level("WARNING", logger="nanovllm.kvcache.memcpy2d"):
         assert sgdma.backend() == "torch" and not sgdma.is_accelerated()
-    assert "nvcc exploded" in sgdma._load_error
+    assert "nvcc exploded" in sgdma.load_error()
     assert any("nvcc exploded" in r.message for r in caplog.records)
 
 
@@ -257,7 +257,7 @@ def test_loader_without_cuda_does_not_build(fresh_loader):
     fresh_loader.setattr(torch.cuda, "is_available", lambda: False)
     fresh_loader.setattr(cpp_extension, "load", lambda **kw: pytest.fail("must not build"))
     assert sgdma.backend() == "torch"
-    assert "not available" in sgdma._load_error
+    assert "not available" in sgdma.load_error()
 
 
 def test_loader_env_override(fresh_loader):

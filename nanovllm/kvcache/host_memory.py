@@ -92,6 +92,22 @@ def _cudart_call(name: str, *args):
         raise RuntimeError(f"{name} failed: {cudart.cudaGetErrorString(err)}")
 
 
+def register_host_range(address: int, size: int) -> None:
+    """Page-lock ``size`` bytes of host memory at ``address`` as the host tier does
+    (``cudaHostRegister``, portable and mapped).
+
+    Raises:
+        RuntimeError: a CUDA error, with CUDA's text.
+    """
+    _cudart_call("cudaHostRegister", address, size, _REGISTER_FLAGS)
+
+
+def unregister_host_range(address: int) -> None:
+    """Undo :func:`register_host_range` of the range starting at ``address``
+    (``cudaHostUnregister``); RuntimeError with CUDA's text on an error."""
+    _cudart_call("cudaHostUnregister", address)
+
+
 def registered_pointers_agree() -> bool:
     """Whether the device reads registered host memory at its host address (one page registered,
     its device pointer compared with its host pointer, then unregistered); False when it cannot
@@ -99,7 +115,7 @@ def registered_pointers_agree() -> bool:
     page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
     ptr = torch.frombuffer(page, dtype=torch.uint8).data_ptr()
     try:
-        _cudart_call("cudaHostRegister", ptr, mmap.PAGESIZE, _REGISTER_FLAGS)
+        register_host_range(ptr, mmap.PAGESIZE)
     except (RuntimeError, AttributeError):
         return False
     try:
@@ -110,7 +126,7 @@ def registered_pointers_agree() -> bool:
     except OSError:
         return False
     finally:
-        _cudart_call("cudaHostUnregister", ptr)
+        unregister_host_range(ptr)
 
 
 class HostMemory:
@@ -255,7 +271,7 @@ class HostMemory:
     def _register(self, address: int, size: int):
         """Page-lock ``size`` bytes at ``address`` (CUDA: ``cudaHostRegister``; CPU: nothing)."""
         if self.cuda:
-            _cudart_call("cudaHostRegister", address, size, _REGISTER_FLAGS)
+            register_host_range(address, size)
 
     # ---- growth ------------------------------------------------------------------------
     def start(self):
@@ -359,6 +375,6 @@ class HostMemory:
         if self.cuda and self._ranges:
             torch.cuda.synchronize(self.device)
             for address, _ in self._ranges:
-                _cudart_call("cudaHostUnregister", address)
+                unregister_host_range(address)
         self._ranges = []
         self._pinned = self._target = 0

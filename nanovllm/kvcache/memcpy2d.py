@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["memcpy_2d_async", "memcpy_2d_moves_async", "backend", "is_accelerated"]
+__all__ = ["memcpy_2d_async", "memcpy_2d_moves_async", "memcpy_2d_torch", "backend", "load_error", "is_accelerated"]
 
 KINDS = ("h2d", "d2h", "d2d", "h2h", "default")
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "sgdma.cpp"
@@ -96,6 +96,13 @@ def backend() -> str:
     (compiled on first use) or ``"torch"`` (fallback). Resolving it may compile the extension
     once (when CUDA is available and no prebuilt module exists)."""
     return _resolve()
+
+
+def load_error() -> str | None:
+    """Why CUDA copies fall back to torch (the reasons the extension and the JIT build were not
+    available), or None when they go through ``cudaMemcpy2DAsync``. Resolves the backend as
+    :func:`backend` does."""
+    return None if _resolve() != "torch" else _load_error
 
 
 def is_accelerated() -> bool:
@@ -173,8 +180,12 @@ def _byte_rows(t: torch.Tensor, pitch: int, width: int, height: int) -> torch.Te
                      (pitch, 1))
 
 
-def _memcpy_2d_torch(dst, src, dpitch, spitch, width, height, stream=None) -> None:
-    """The fallback (arguments already checked): the same bytes through torch copies."""
+def memcpy_2d_torch(dst: torch.Tensor, src: torch.Tensor, dpitch: int, spitch: int, width: int, height: int,
+                    stream: torch.cuda.Stream | None = None) -> None:
+    """The ``"torch"`` backend of :func:`memcpy_2d_async` (module doc): the same bytes through torch
+    copies of uint8 views, one contiguous copy per row between devices, a single strided copy
+    within one device. Arguments as :func:`memcpy_2d_async`'s, not checked (it is the fallback
+    behind those checks, and the reference the copy engine is compared with)."""
     with torch.no_grad():
         d = _byte_rows(dst, dpitch, width, height)
         s = _byte_rows(src, spitch, width, height)
@@ -228,7 +239,7 @@ def memcpy_2d_async(dst: torch.Tensor, src: torch.Tensor, dpitch: int, spitch: i
     dpitch, spitch, width, height = _check_args(dst, src, dpitch, spitch, width, height, kind,
                                                 stream)
     if not (dst.is_cuda or src.is_cuda) or _resolve() == "torch":
-        _memcpy_2d_torch(dst, src, dpitch, spitch, width, height, stream)
+        memcpy_2d_torch(dst, src, dpitch, spitch, width, height, stream)
         return
     if stream is None:
         _module.memcpy_2d_async(dst, src, dpitch, spitch, width, height, kind, 0)

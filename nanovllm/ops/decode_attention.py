@@ -50,6 +50,12 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 
 
+def split_block_n(scaled: bool, block_d: int) -> int:
+    """KV tokens per tile of :func:`decode_split_kernel` (its ``BLOCK_N``) over an fp8 cache
+    (``scaled``) or a 16-bit one, for a head_dim tile of ``block_d``."""
+    return (_FP8_BLOCK_N if scaled else _BLOCK_N) // (1 if block_d <= 128 else 2)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -136,7 +142,7 @@ def _tile_blocks(table_row_ptr, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.c
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_th", "stride_lb", "stride_lh"])
-def _decode_split_kernel(
+def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, starts_ptr, o_part_ptr, lse_part_ptr,
     scale_log2, tokens_per_split, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -147,9 +153,10 @@ def _decode_split_kernel(
     WHILE_LOOP: tl.constexpr, FINAL: tl.constexpr, HAS_STARTS: tl.constexpr, SCALED: tl.constexpr,
     FP8_WORDS: tl.constexpr,
 ):
-    """One (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one
-    split): the pointers and strides are the output's and the LSE's, written as the merge writes
-    them (output in its dtype, LSE in natural log), so no merge kernel runs. ``stride_th``: 0 when
+    """The split pass of :func:`decode_attention` (public for ``benchmarks/ptx_census.py``). One
+    (sequence, GQA head chunk, split): its partial output and base-2 LSE. ``FINAL`` (one split):
+    the pointers and strides are the output's and the LSE's, written as the merge writes them
+    (output in its dtype, LSE in natural log), so no merge kernel runs. ``stride_th``: 0 when
     every KV head reads the sequence's one table, else the stride between the heads' tables.
     ``HAS_STARTS``: the split's tokens before the row's start (``starts_ptr``, a sliding window's
     first visible token) are skipped: its loop begins there, so blocks wholly before it are never
@@ -266,7 +273,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     g_chunks = cdiv(group, _BLOCK_G)
     block_d = block_dim(dim)
     scaled = k_scale is not None
-    block_n = (_FP8_BLOCK_N if scaled else _BLOCK_N) // (1 if block_d <= 128 else 2)
+    block_n = split_block_n(scaled, block_d)
     max_tokens = block_tables.shape[-1] * block_size
     splits, tokens_per_split = _split_plan(batch * heads_kv * g_chunks, max_tokens, block_n, q.device, num_splits)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -285,7 +292,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         # the merge writes the LSE only when asked; otherwise lse_part stands in, unwritten
         lse = torch.empty((batch, heads_q), dtype=torch.float32, device=q.device) if return_lse else lse_part
     k_scale, v_scale = (k_scale, v_scale) if scaled else (lens, lens)  # not read unscaled
-    _decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
+    decode_split_kernel[(heads_kv * g_chunks, batch, splits)](
         q, k_cache, v_cache, k_scale, v_scale, tables, lens, starts, o_part, lse_part,
         scale * LOG2E, tokens_per_split, max_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

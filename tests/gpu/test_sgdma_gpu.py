@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.kvcache import memcpy2d as sgdma
-from nanovllm.kvcache.memcpy2d import _memcpy_2d_torch, memcpy_2d_async
+from nanovllm.kvcache.memcpy2d import memcpy_2d_async, memcpy_2d_torch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,7 @@ def _bytes(t):
 
 
 def test_the_accelerated_backend_is_used():
-    assert sgdma.backend() != "torch", f"fell back to torch: {sgdma._load_error}"
+    assert sgdma.backend() != "torch", f"fell back to torch: {sgdma.load_error()}"
     assert sgdma.is_accelerated()
 
 
@@ -48,7 +48,7 @@ def test_h2d_load_matches_fallback_on_a_side_stream(block):
     stream.wait_stream(torch.cuda.current_stream())  # the buffers were written on the current stream
     args = (BLOCK_BYTES, NB * BLOCK_BYTES, BLOCK_BYTES, L)
     memcpy_2d_async(ext_buf, host[0, block], *args, "h2d", stream=stream)
-    _memcpy_2d_torch(ref_buf, host[0, block], *args, stream=stream)
+    memcpy_2d_torch(ref_buf, host[0, block], *args, stream=stream)
     stream.synchronize()
     assert torch.equal(_bytes(ext_buf), _bytes(ref_buf))
     assert torch.equal(_bytes(ext_buf), _bytes(host[:, block]))
@@ -62,7 +62,7 @@ def test_d2h_offload_matches_fallback_on_a_side_stream(block):
     stream.wait_stream(torch.cuda.current_stream())
     args = (NB * BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES, L)
     memcpy_2d_async(ext_host[0, block], buf, *args, "d2h", stream=stream)
-    _memcpy_2d_torch(ref_host[0, block], buf, *args, stream=stream)
+    memcpy_2d_torch(ref_host[0, block], buf, *args, stream=stream)
     stream.synchronize()
     assert torch.equal(ext_host.view(torch.uint8), ref_host.view(torch.uint8))
     assert torch.equal(ext_host[:, block].view(torch.uint8), _bytes(buf))
@@ -174,7 +174,7 @@ def test_moves_in_one_call_keep_their_order_and_match_the_fallback():
             for d, h, up in zip(*args[:3]):
                 dv, hv = sgdma._bytes_from(gpu, d), sgdma._bytes_from(host, h)
                 src, dst, sp, dp = (dv, hv, args[3], args[4]) if up else (hv, dv, args[4], args[3])
-                _memcpy_2d_torch(dst, src, dp, sp, BLOCK_BYTES, L, stream=stream)
+                memcpy_2d_torch(dst, src, dp, sp, BLOCK_BYTES, L, stream=stream)
         stream.synchronize()
         results.append((_bytes(gpu), _bytes(host)))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
