@@ -2,7 +2,7 @@
 samples: one JSON line per (setting, length), then the tables.
 
 For every setting at every length (--lengths: RULER's sequence length, prompt plus answer;
-prompts have LENGTH - 128 tokens) the evaluation of tests/test_ruler.py runs: one greedy generate
+prompts have LENGTH - 128 tokens) the evaluation of tools/ruler/evaluation.py runs: one greedy generate
 per task with all of its samples batched (--num-samples, 20 by default), scored with RULER's
 metric. Every setting reads the same samples: they are built once per length (or loaded with
 --samples) and each line records a digest of every task's samples, which the pairing checks. Each
@@ -86,15 +86,13 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _eval_engine import sparse_options  # noqa: E402
-from test_ruler import RulerSettings, build_samples, run_ruler  # noqa: E402
-
-from nanovllm import LLM  # noqa: E402
-from nanovllm.config import Config  # noqa: E402
-from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK  # noqa: E402
-from nanovllm.sparse import policy_class  # noqa: E402
-from tools import ruler  # noqa: E402
+from nanovllm import LLM
+from nanovllm.config import Config
+from nanovllm.kvcache.reuse import DEFAULT_ROWS_PER_PICK
+from nanovllm.sparse import policy_class
+from tools import ruler
+from tools.eval_engine import sparse_options
+from tools.ruler.evaluation import RulerSettings, build_samples, run_ruler
 
 ANSWER_ROOM = max(ruler.MAX_NEW_TOKENS.values())
 """A length L is RULER's sequence length: prompts of L - ANSWER_ROOM tokens, so that prompt and

@@ -42,9 +42,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import pytest
-from _eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm, tier_moves,
-                          resolve_model_dir, sparse_options, sparse_stats_text)
 
+from tools.eval_engine import (EngineSettings, add_engine_arguments, engine_fields, engine_offload, make_llm,
+                               resolve_model_dir, sparse_options, sparse_stats_text, tier_moves)
 from tools.passkey import NEEDLE_TEMPLATE, build_passkey_prompt
 
 DEFAULT_NEEDLE = 58213

@@ -154,7 +154,7 @@ def test_sweep_in_jobs_merges_the_jobs_lines_in_settings_order(tmp_path, monkeyp
 
 
 def test_line_records_the_decode_per_layer_and_the_pairing_digests():
-    from test_ruler import RulerReport, TaskResult
+    from tools.ruler.evaluation import RulerReport, TaskResult
 
     result = TaskResult("vt", [1.0, 0.0], ["a b", "x"], [["a", "b"], ["c"]], ["stop", "stop"], [3, 2], 0.1)
     per_layer = [{"layer": 0, "comm_density": None, "reuse_rate": 0.876543, "density": 0.0712345}]

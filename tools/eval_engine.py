@@ -1,9 +1,8 @@
-"""Engine plumbing shared by the evaluation modules ``test_needle.py`` and ``test_ruler.py``.
-
-Importable under pytest (tests/ is on sys.path, like ``_util``) and when those files run as
-scripts (sys.path[0] is then tests/): the engine/offload settings with their validation and
-:class:`nanovllm.LLM` keyword arguments, the matching command-line options, the model-directory
-resolution, :func:`make_llm`, :func:`engine_offload`, :func:`sparse_options` and :func:`sparse_stats_text`.
+"""Engine plumbing shared by the evaluations (``tests/test_needle.py``, ``tests/test_ruler.py``,
+:mod:`tools.ruler.evaluation`, ``benchmarks/ruler_sweep.py``): the engine/offload settings with
+their validation and :class:`nanovllm.LLM` keyword arguments, the matching command-line options,
+the model-directory resolution, :func:`make_llm`, :func:`engine_offload`, :func:`sparse_options`
+and :func:`sparse_stats_text`.
 """
 
 from __future__ import annotations
