@@ -462,7 +462,7 @@ def test_fp8_holds_about_twice_the_tokens_in_both_tiers(qwen3_dir, monkeypatch, 
         with build_llm(qwen3_dir, kv_cache_dtype=name, max_num_seqs=512, dtype="bfloat16") as llm:
             config, g = copy.copy(llm.config), llm.model_runner.cache.geometry
             config.num_kvcache_blocks = -1  # sized from the (patched) memory share, as without the option
-            blocks[name] = (sizing.gpu_blocks(config, g, torch.device("cpu"), 0, 0, 0, 1),
+            blocks[name] = (sizing.gpu_blocks(config, g, torch.device("cpu"), 0, 0, 1),
                             sizing.host_blocks(config, g, 1))
     assert blocks["auto"][0] < sizing.wanted_blocks(config), "the memory share, not the configuration, binds"
     head_ratio = (2 * 32) / (32 + 4)  # the checkpoint's head_dim is 32

@@ -123,7 +123,7 @@ def test_folded_groups_equal_attention_over_the_concatenated_blocks(slots):
                                                 return_lse=True)
             torch.testing.assert_close(out[row], ref[0], atol=1e-5, rtol=0)
             torch.testing.assert_close(lse[row], ref_lse[0], atol=1e-5, rtol=0)
-    assert ring.consumed == len(ring.groups) and ring.num_loads == len(loads) + 4
+    assert ring.consumed == len(ring.groups) and tier.bytes_h2d == (len(loads) + 4) * tier.layer_block_bytes
     assert len(ring.groups) == sum(len(cut_groups(l, s, max(1, slots // 2)))
                                    for l, s in ((loads, skips), (loads[::-1][:4], [0] * 4)))
     tier.free_memory()

@@ -164,5 +164,3 @@ def test_score_examples():
     assert ruler.score("vt", " QWERT, ASDFG\x00zxcvb", ["QWERT", "ASDFG", "ZXCVB", "POIUY"]) == 0.75
     assert ruler.score("cwe", "1. cat 2. dog", ["cat", "dog", "owl", "fox"]) == 0.5
     assert ruler.score("fwe", "abcdef, ghijkl, mnopqr", ["abcdef", "ghijkl", "mnopqr"]) == 1.0
-    assert ruler.string_match_part("the answer is Paris", ["London", "paris"]) == 1.0
-    assert ruler.string_match_part("no idea", ["London", "paris"]) == 0.0

@@ -363,7 +363,7 @@ def test_spill_and_load_back_move_the_bits_and_scales_of_every_layer(kv):
     for on_host, on_gpu, want in zip(hosts, gpu, before):
         assert torch.equal(on_host[:, 4].view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(on_gpu[:, 5].view(torch.uint8), want.view(torch.uint8))
-    assert host.bytes_d2h == host.bytes_h2d == LAYERS * host.layer_block_bytes
+    assert host.bytes_h2d == LAYERS * host.layer_block_bytes  # the load back; the spill's bits are compared above
     assert host.layer_block_bytes == 2 * BLOCK * HEADS_KV * (DIM * (4 if kv == "auto" else 1) + (kv != "auto") * 4)
 
 
@@ -400,7 +400,8 @@ def test_decode_over_both_tiers_equals_the_reference(kv, slots):
     finally:
         reset_context()
     ring = attention.ring
-    assert ring.num_loads == LAYERS * 3 and ring.consumed == len(ring.groups), "one plan across layers"
+    assert host.bytes_h2d == LAYERS * 3 * host.layer_block_bytes and ring.consumed == len(ring.groups), \
+        "one plan across layers"
     assert len(ring.groups) == LAYERS * -(-3 // (slots // 2)), "groups of half the ring"
 
 

@@ -145,7 +145,7 @@ class ModelRunner:
         cfg, cache, geometry = self.config, self.cache, self.cache.geometry
         host = self._smallest_over_ranks(cache.host_blocks(self.ranks_on_host))
         gpu = self._smallest_over_ranks(sizing.gpu_blocks(
-            cfg, geometry, self.device, host, cache.reserved_bytes(host), cache.metadata_bytes_per_block(),
+            cfg, geometry, self.device, cache.reserved_bytes(host), cache.metadata_bytes_per_block(),
             self.ranks_on_host))
         sizes = sizing.TierSizes(gpu, host)
         sizing.check_capacity(cfg, geometry, sizes)

@@ -67,7 +67,7 @@ class TierMoves:
                  live: dict[int, Sequence]):
         self.gpu, self.host, self.index, self.placement, self.live = gpu, host, index, placement, live
         self.moves: list[BlockMove] = []
-        self.num_spilled = self.num_written_back = self.num_loaded_back = 0
+        self.num_spilled = self.num_written_back = 0
 
     def take(self) -> list[BlockMove]:
         """The moves decided since the last call, in order (the next step copies them)."""
@@ -167,5 +167,4 @@ class TierMoves:
             self.index[src.hash] = dst
         dst.link(src)
         self.moves.append(BlockMove(dst.block_id, src.block_id, False))
-        self.num_loaded_back += 1
         return dst

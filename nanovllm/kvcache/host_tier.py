@@ -116,7 +116,7 @@ class HostTier:
             self.k_slot_scales, self.v_slot_scales = (torch.ones((num_slots, *scale_shape), dtype=SCALE_DTYPE,
                                                                  device=device) for _ in range(2))
             self.scale_block_bytes = block_size * num_kv_heads * SCALE_DTYPE.itemsize
-        self.bytes_h2d = self.bytes_d2h = 0  # copies issued by the host
+        self.bytes_h2d = 0  # copies to the device issued by the host
         self._gathered_bytes = torch.zeros((), dtype=torch.int64, device=device)  # by the gather kernel, in place
         self._make_streams()
 
@@ -168,9 +168,7 @@ class HostTier:
             self._copy(ahead, k_gpu, v_gpu, gpu_scales)
             self.ahead_done.record(self.spill_stream)
             self.ahead_pending = True
-        to_host = sum(m.to_host for m in moves)
-        self.bytes_d2h += to_host * self.num_layers * self.layer_block_bytes
-        self.bytes_h2d += (len(moves) - to_host) * self.num_layers * self.layer_block_bytes
+        self.bytes_h2d += sum(not m.to_host for m in moves) * self.num_layers * self.layer_block_bytes
 
     def wait_ahead(self):
         """The compute stream waits for the last step's write-backs ahead of reuse (before this

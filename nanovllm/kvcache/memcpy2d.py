@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["memcpy_2d_async", "memcpy_2d_moves_async", "memcpy_2d_torch", "backend", "load_error", "is_accelerated"]
+__all__ = ["memcpy_2d_async", "memcpy_2d_moves_async", "memcpy_2d_torch", "backend", "load_error"]
 
 KINDS = ("h2d", "d2h", "d2d", "h2h", "default")
 _CSRC = Path(__file__).resolve().parents[2] / "csrc" / "sgdma.cpp"
@@ -103,11 +103,6 @@ def load_error() -> str | None:
     available), or None when they go through ``cudaMemcpy2DAsync``. Resolves the backend as
     :func:`backend` does."""
     return None if _resolve() != "torch" else _load_error
-
-
-def is_accelerated() -> bool:
-    """True when CUDA copies go through ``cudaMemcpy2DAsync`` (``backend() != "torch"``)."""
-    return _resolve() != "torch"
 
 
 def _int(name: str, value) -> int:

@@ -119,11 +119,6 @@ class RingReader:
             self.tier.load(group.half, group.half * self.group_size, group.layer, [h for _, h in group.loads])
             self.issued += 1
 
-    @property
-    def num_loads(self) -> int:
-        """Loads of the step's plan (blocks of every layer)."""
-        return sum(len(group.loads) for group in self.groups)
-
     def fold(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Fold ``layer``'s host blocks into the running state: q ``[B, Hq, D]``, out float32 ``[B,

@@ -92,10 +92,9 @@ class DecodeSelection:
         self.phys = torch.where((gpu_page >= 0) & in_range, gpu_page * ppb + offset, -1)
         self.host_pages = torch.where((host_page >= 0) & in_range, host_page * ppb + offset, -1)
         meta = torch.where(gpu_page >= 0, gpu_page, num_gpu_blocks + host_page) * ppb + offset
-        # the choosing rows: fixed pages, candidates
-        sink, tail = policy.sink_pages, policy.recent_pages + 1
-        first, num_fixed = sink, sink + tail
-        fixed = [list(range(sink)) + list(range(num_pages[r] - tail, num_pages[r])) for r in choosing]
+        # the choosing rows: fixed pages (the policy's), candidates
+        first, num_fixed = policy.sink_pages, policy.num_fixed_pages
+        fixed = [[*sinks, *last] for sinks, last in (policy.fixed_pages(num_pages[r]) for r in choosing)]
         self.fixed = to_device(fixed, torch.int64, device)  # [S, F]
         rows = to_device(choosing, torch.int64, device)
         cand_count = to_device([num_pages[r] - num_fixed for r in choosing], torch.int64, device)
@@ -125,7 +124,7 @@ class DecodeSelection:
         self.other_lens = to_device(other_lens, torch.int32, device)
         self.context_tokens = sum(lengths)
         self.counted = True
-        self.groups = self._plan_groups(tables, choosing, others, num_pages)
+        self.groups = self._plan_groups(tables, choosing, others)
         self.in_batch_order = len(self.groups) == 1 and choosing + others == list(range(len(tables)))
         self._plans: dict[tuple[int, int], _GroupPlan] = {}
 
@@ -225,7 +224,7 @@ class DecodeSelection:
             return None
         return cls(policy, tables, choosing, layout, num_gpu_blocks, block_size, num_kv_heads, device)
 
-    def _plan_groups(self, tables, choosing: list[int], others: list[int], num_pages: list[int]):
+    def _plan_groups(self, tables, choosing: list[int], others: list[int]):
         """Consecutive choosing sequences whose worst-case host reads per KV head (every read page
         that lives on the host missing the reuse cache) fit the staging pages."""
         staging = self.layout.staging_rows * self.pages_per_block

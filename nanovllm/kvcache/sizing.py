@@ -101,8 +101,8 @@ def host_blocks(config: Config, geometry: KVGeometry, ranks_on_host: int) -> int
     return min(share // geometry.block_bytes, wanted_blocks(config))
 
 
-def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, num_host_blocks: int,
-               reserved_bytes: int, metadata_bytes: int, ranks_on_host: int) -> int:
+def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, reserved_bytes: int,
+               metadata_bytes: int, ranks_on_host: int) -> int:
     """GPU-tier blocks of this rank. ``reserved_bytes``: device memory the cache needs besides
     its blocks (ring slots, host blocks' metadata, QUEST's reuse cache and staging rows);
     ``metadata_bytes``: per GPU block."""

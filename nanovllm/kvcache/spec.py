@@ -16,10 +16,6 @@ import torch
 
 from nanovllm.ops.kv_quant import SCALE_DTYPE, is_fp8
 
-SCALE_LAYOUTS = ("none", "token_head")
-"""``LayerKVSpec.scale_layout`` values: no scales, or one float32 scale per (token, KV head) for
-keys and one for values, indexed like the cache without head_dim."""
-
 
 @dataclass(frozen=True)
 class LayerKVSpec:
@@ -51,7 +47,8 @@ class LayerKVSpec:
 
     @property
     def scale_layout(self) -> str:
-        """"token_head" for an fp8 cache, else "none" (:data:`SCALE_LAYOUTS`)."""
+        """"token_head" for an fp8 cache (one float32 scale per (token, KV head) for keys and one for
+        values, indexed like the cache without head_dim), else "none" (no scales)."""
         return "token_head" if is_fp8(self.cache_dtype) else "none"
 
     @property

@@ -45,7 +45,6 @@ class WindowRow:
         length: tokens of ``table`` (the new one included), host blocks left out.
         start: tokens at the head of ``table`` before the window (masked, not read).
         loads: host blocks read, in logical order; skips: tokens of each before the window.
-        first_block: the logical block the reads begin at.
     """
 
     table: list[int]
@@ -53,7 +52,6 @@ class WindowRow:
     start: int
     loads: list[int]
     skips: list[int]
-    first_block: int
 
 
 def window_row(gpu_table: list[int], host_table: list[int], length: int, window: int | None, block_size: int,
@@ -66,9 +64,9 @@ def window_row(gpu_table: list[int], host_table: list[int], length: int, window:
     end = len(gpu_table) if window is None else -(-length // block_size)
     gpu, n = gpu_table[fb:end], length - fb * block_size
     if not (tiered and NO_BLOCK in gpu):
-        return WindowRow(gpu, n, skip, [], [], fb)
+        return WindowRow(gpu, n, skip, [], [])
     host = host_table[fb:end]
     loads = [h for h in host if h != NO_BLOCK]
     skips = [skip if j == 0 else 0 for j, h in enumerate(host) if h != NO_BLOCK]
     table = [b for b in gpu if b != NO_BLOCK]
-    return WindowRow(table, n - len(loads) * block_size, skip if gpu[0] != NO_BLOCK else 0, loads, skips, fb)
+    return WindowRow(table, n - len(loads) * block_size, skip if gpu[0] != NO_BLOCK else 0, loads, skips)

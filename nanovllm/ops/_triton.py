@@ -26,9 +26,6 @@ from .backend import interpreted, tl, triton
 
 LOG2E = 1.4426950408889634
 """log2(e): kernels run softmax in base 2 (``exp2``), so scales are multiplied by it."""
-LN2 = 0.6931471805599453
-"""ln(2): turns a base-2 log-sum-exp back into the natural log (kernels write it as a literal:
-Triton kernels cannot read module globals)."""
 MIN_DOT_ROWS = 16
 """tl.dot needs at least 16 rows: a GQA group of q heads is padded to it."""
 

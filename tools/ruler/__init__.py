@@ -69,7 +69,6 @@ __all__ = [
     "generate_samples",
     "score",
     "string_match_all",
-    "string_match_part",
 ]
 
 # task -> build(tok, rng, input_len) -> (input_ids, answers)
@@ -151,12 +150,6 @@ def string_match_all(output_text: str, answers: list[str]) -> float:
     output (case-insensitive), in [0, 1]."""
     pred = _postprocess(output_text).lower()
     return sum(a.lower() in pred for a in answers) / len(answers) if answers else 0.0
-
-
-def string_match_part(output_text: str, answers: list[str]) -> float:
-    """RULER's ``string_match_part`` (QA): 1.0 when any answer is contained in the output."""
-    pred = _postprocess(output_text).lower()
-    return float(any(a.lower() in pred for a in answers))
 
 
 def score(task: str, output_text: str, answers: list[str]) -> float:
