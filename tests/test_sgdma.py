@@ -215,7 +215,6 @@ def fresh_loader(monkeypatch):
     # `from nanovllm import _sgdma` must fail even where setup.py built it and it was imported
     monkeypatch.delattr(nanovllm, "_sgdma", raising=False)
     monkeypatch.setitem(sys.modules, "nanovllm._sgdma", None)
-    monkeypatch.delenv("NANOVLLM_SGDMA_BACKEND", raising=False)
     return monkeypatch
 
 
@@ -257,13 +256,3 @@ def test_loader_without_cuda_does_not_build(fresh_loader):
     fresh_loader.setattr(cpp_extension, "load", lambda **kw: pytest.fail("must not build"))
     assert sgdma.backend() == "torch"
     assert "not available" in sgdma.load_error()
-
-
-def test_loader_env_override(fresh_loader):
-    fresh_loader.setenv("NANOVLLM_SGDMA_BACKEND", "torch")
-    assert sgdma.backend() == "torch"
-    for name in ("_module", "_backend", "_load_error"):
-        fresh_loader.setattr(sgdma, name, None)
-    fresh_loader.setenv("NANOVLLM_SGDMA_BACKEND", "fast")
-    with pytest.raises(ValueError, match="NANOVLLM_SGDMA_BACKEND"):
-        sgdma.backend()

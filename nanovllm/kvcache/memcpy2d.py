@@ -18,14 +18,11 @@ Backends, picked once on first use with CUDA tensors (``backend()`` says which):
 - ``"torch"``: a fallback that moves exactly the same bytes with torch copies of uint8 views, one
   contiguous copy per row between devices (a single strided copy within one device). It is used
   for CPU-only copies always, and for everything when neither build is available.
-
-``NANOVLLM_SGDMA_BACKEND=torch`` forces the fallback (for comparisons); the default is ``auto``.
 """
 from __future__ import annotations
 
 import logging
 import operator
-import os
 import threading
 import time
 from pathlib import Path
@@ -55,36 +52,30 @@ def _resolve() -> str:
         if _backend is not None:
             return _backend
         errors = []
-        choice = os.environ.get("NANOVLLM_SGDMA_BACKEND", "auto").strip().lower()
-        if choice not in ("auto", "torch"):
-            raise ValueError(f"NANOVLLM_SGDMA_BACKEND must be 'auto' or 'torch', got {choice!r}")
-        if choice == "torch":
-            errors.append("NANOVLLM_SGDMA_BACKEND=torch")
-        else:
+        try:
+            from nanovllm import _sgdma  # built by setup.py
+
+            _module, _backend = _sgdma, "extension"
+        except ImportError as e:
+            errors.append(f"no prebuilt nanovllm._sgdma ({e})")
+        if _backend is None and not torch.cuda.is_available():
+            errors.append("torch.cuda is not available")
+        elif _backend is None and not _CSRC.is_file():
+            errors.append(f"source {_CSRC} not found")
+        elif _backend is None:
             try:
-                from nanovllm import _sgdma  # built by setup.py
+                from torch.utils.cpp_extension import load
 
-                _module, _backend = _sgdma, "extension"
-            except ImportError as e:
-                errors.append(f"no prebuilt nanovllm._sgdma ({e})")
-            if _backend is None and not torch.cuda.is_available():
-                errors.append("torch.cuda is not available")
-            elif _backend is None and not _CSRC.is_file():
-                errors.append(f"source {_CSRC} not found")
-            elif _backend is None:
-                try:
-                    from torch.utils.cpp_extension import load
-
-                    start = time.perf_counter()
-                    _module = load(name=_JIT_NAME, sources=[str(_CSRC)], with_cuda=True,
-                                   extra_cflags=["-O2"], verbose=False)
-                    _backend = "jit"
-                    logger.info("sgdma: built/loaded the %s extension with torch.utils.cpp_extension "
-                                "in %.1f s", _JIT_NAME, time.perf_counter() - start)
-                except Exception as e:  # compiler missing, headers missing, link errors, ...
-                    errors.append(f"JIT build of {_CSRC.name} failed: {type(e).__name__}: {e}")
-                    logger.warning("sgdma: %s; strided copies fall back to row-by-row torch copies "
-                                   "(much slower)", errors[-1])
+                start = time.perf_counter()
+                _module = load(name=_JIT_NAME, sources=[str(_CSRC)], with_cuda=True,
+                               extra_cflags=["-O2"], verbose=False)
+                _backend = "jit"
+                logger.info("sgdma: built/loaded the %s extension with torch.utils.cpp_extension "
+                            "in %.1f s", _JIT_NAME, time.perf_counter() - start)
+            except Exception as e:  # compiler missing, headers missing, link errors, ...
+                errors.append(f"JIT build of {_CSRC.name} failed: {type(e).__name__}: {e}")
+                logger.warning("sgdma: %s; strided copies fall back to row-by-row torch copies "
+                               "(much slower)", errors[-1])
         if _backend is None:
             _module, _backend = None, "torch"
             _load_error = "; ".join(errors)
