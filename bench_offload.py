@@ -264,7 +264,8 @@ def _measure(llm, args, bw: dict) -> dict:
             selected_bound = batch / (hbm_s + selected_per_step / link)
             result.update(decode_selected_bound_tok_per_s=round(selected_bound, 2),
                           decode_fraction_of_selected_bound=round(result["decode_tok_per_s"] / selected_bound, 3))
-    if llm.config.sparse_policy != "FULL":
+    policy = policy_class(llm.config.sparse_policy)
+    if policy.chooses_decode_pages or not policy.dense_prefill:  # it reads less than everything somewhere
         result["sparse_stats"] = _sparse_stats(llm)
     return result
 

@@ -65,7 +65,7 @@ def choose(kind: str, weight: float | None, combine: str, q: torch.Tensor, keys:
     Returns: int64 ``[S, Hkv, k]`` candidate columns (in column order), -1 for none.
     """
     full = keys.shape[0] // page
-    extra = {"radius_weight": weight} if kind == "quest" else {}
+    extra = {"radius_weight": weight} if "sparse_radius_weight" in POLICIES[kind].options else {}
     policy = POLICIES[kind](1.0 / math.sqrt(q.shape[-1]), page_size=page, budget_tokens=budget, group_score=combine,
                             **extra)
     policy.allocate(1, full * page, keys.shape[1], keys.shape[2], keys.dtype, keys.device, 1, 0)

@@ -142,7 +142,9 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
     if m := _XATTN.fullmatch(name):
         return dict(sparse_policy="XATTN_BSA", sparse_threshold=float(m["threshold"]))
     m = _CHOOSING.fullmatch(name)
-    if m is None or (m["policy"] == "streaming") == (m["budget"] is not None) or (m["by_layer"] and not m["budget"]):
+    options = () if m is None else policy_class(m["policy"]).options
+    takes_budget = "sparse_token_budget" in options
+    if m is None or takes_budget != (m["budget"] is not None) or (m["by_layer"] and not m["budget"]):
         raise ValueError(f"unknown setting {name!r}: expected full, <quest|moments|oracle>-p<P>-b<B>-<max|sum>-d<D>"
                          f"[-lw][-s<S>-r<R>][-host], streaming-p<P>-d<D>[-s<S>-r<R>][-host], full-host[-<N>] or xattn-<T>, "
                          f"each optionally ending in {FP8_SUFFIX}")
@@ -152,9 +154,10 @@ def setting_fields(name: str, sink_tokens: int = DEFAULT_SINK_TOKENS,
                   sparse_recent_tokens=int(m["recent"]) if m["recent"] else recent_tokens)
     if m["budget"] is not None:
         fields.update(sparse_token_budget=int(m["budget"]), sparse_group_score=m["score"])
-        if m["weight"] is not None and m["policy"] != "quest":
-            raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is QUEST's")
-        if m["policy"] == "quest":
+        if m["weight"] is not None and "sparse_radius_weight" not in options:
+            raise ValueError(f"unknown setting {name!r}: -w<W> (the radius weight) is not an option of "
+                             f"{m['policy'].upper()}")
+        if "sparse_radius_weight" in options:
             fields["sparse_radius_weight"] = QUEST_BOUND if m["weight"] is None else float(m["weight"])
         if m["by_layer"]:
             fields["by_layer"] = True
@@ -189,10 +192,12 @@ def grid(policies: list[str], pages: list[int], budgets: list[int], scores: list
                                   for i, axis in enumerate(axes) for value in axis[1:]]
     names = [BASELINE]
     for policy in policies:
+        options = policy_class(policy).options
         for page, budget, score, layers, weight in points:
-            if policy == "QUEST":
-                names.append(choosing_name(policy, page, layers, budget, score, sink, recent, host, weight))
-            else:  # STREAMING: no budget, no group score
+            if "sparse_token_budget" in options:
+                names.append(choosing_name(policy, page, layers, budget, score, sink, recent, host,
+                                           weight if "sparse_radius_weight" in options else QUEST_BOUND))
+            else:  # no budget, no group score (STREAMING)
                 names.append(choosing_name(policy, page, layers, sink=sink, recent=recent, host=host))
     return list(dict.fromkeys(names))
 
