@@ -4,9 +4,9 @@ The offload engine keeps the KV cache in pinned host memory, layer-major
 ``[num_layers, num_blocks, block_bytes]``, and stages blocks through GPU buffers
 ``[num_layers, block_bytes]``. Moving one block of every layer is one 2D copy of ``height =
 num_layers`` rows of ``width = block_bytes`` bytes whose rows lie ``num_blocks * block_bytes``
-bytes apart on the host and ``block_bytes`` apart on the GPU. A strided torch copy of such a
-region is many times slower than the copy engine; ``cudaMemcpy2DAsync`` moves it at the
-pinned-memory bandwidth (docs/benchmarks.md, 'Host <-> device copies'). See ``csrc/sgdma.cpp``.
+bytes apart on the host and ``block_bytes`` apart on the GPU. ``cudaMemcpy2DAsync`` moves such a
+region in one call on the copy engine (``csrc/sgdma.cpp``); its rate against torch's strided and
+row-by-row copies: docs/benchmarks.md, 'Host <-> device copies'.
 
 Backends, picked once on first use with CUDA tensors (``backend()`` says which):
 

@@ -9,8 +9,8 @@ query block keeps. The kept blocks come as two lists built on the device from th
 blocks (every key visible to every row: no masks) and *partial* ones (crossing the causal diagonal
 or the end of the keys), each walked in one flat loop of key tiles so Triton pipelines the K/V
 loads (TMA bulk copies where allowed) across blocks. It needs no torch.compile and runs under
-Triton's interpreter in the CPU tests. Its time against cuDNN's dense causal attention, and the
-FlexAttention backend it replaced: docs/benchmarks.md, 'XAttention kernels at 32K', and docs/ops.md.
+Triton's interpreter in the CPU tests. Its time against cuDNN's dense causal attention and the
+alternatives tried: docs/benchmarks.md, 'XAttention kernels at 32K', and docs/ops.md.
 """
 
 import torch

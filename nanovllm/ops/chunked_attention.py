@@ -144,8 +144,8 @@ def flash_attn_with_lse(
     Raises:
         ValueError: shapes that disagree, Hq not a multiple of Hkv, or D outside 1..256.
 
-    CUDA: torch's cuDNN attention (fp16/bf16, native GQA; faster than FlashAttention-2, so the
-    optional flash_attn package is not used: docs/ops.md, 'Conventions'), then torch's flash /
+    CUDA: torch's cuDNN attention (fp16/bf16, native GQA; the optional flash_attn package is not
+    used, docs/ops.md 'Conventions' says why), then torch's flash /
     memory-efficient kernels (a kernel that raises is logged and skipped from then on), else the
     reference. Causal with Sq < Sk is split into a non-causal prefix and a causal square, merged
     by LSE, because torch's kernels align the causal mask top-left. CPU: torch's fused CPU flash

@@ -2,9 +2,9 @@
 
 torch's ``F.linear`` runs MKL's sgemm over the plain ``[N, K]`` weight on every call. oneDNN's
 linear reads a weight reordered once into its blocked layout: ``torch.ops.mkldnn._reorder_linear_weight``
-then ``torch.ops.mkldnn._linear_pointwise``, the pair torch's inductor uses for frozen CPU models;
-it is faster for decode's few rows and prefill's many (docs/ops.md, 'cpu_gemm.py'). The weight is
-packed without a batch-size hint (a hint did not pay, same section). The results differ from
+then ``torch.ops.mkldnn._linear_pointwise``, the pair torch's inductor uses for frozen CPU models,
+for decode's few rows and prefill's many alike. The weight is packed without a batch-size hint.
+The comparison with sgemm and with hints: docs/ops.md, 'cpu_gemm.py'. The results differ from
 sgemm's by float32 summation order only (greedy SmolLM2 tokens stay equal to transformers').
 """
 

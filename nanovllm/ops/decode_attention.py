@@ -372,14 +372,13 @@ def decode_attention(
     CUDA: the two Triton kernels of this module (split-K pass, then LSE merge of the splits, which
     also writes the merged LSE when asked; with one split, e.g. a large batch, the split pass
     writes the result itself and no merge runs), with a grid fixed by the shapes and no host sync, so
-    the call is CUDA-graph capturable (run it once before capture so Triton compiles). It reads KV
-    about as fast as cuDNN over contiguous KV (docs/ops.md, 'Measured on the H200'), so
-    flash_attn's paged kernel is not used. With ``context_starts`` each split's loop begins at the
-    row's start (a variant of the split kernel compiled for it; without starts the kernel is
-    unchanged). Lengths and starts are not range-checked on the device. CPU: the whole batch in one
-    call of torch's fused CPU flash attention (:func:`nanovllm.ops.decode_cpu.decode_cpu`),
-    range-checked; without Triton on another device:
-    :func:`decode_attention_ref`.
+    the call is CUDA-graph capturable (run it once before capture so Triton compiles); flash_attn's
+    paged kernel is not used (the comparison with cuDNN over contiguous KV: docs/ops.md, 'Measured
+    on the H200'). With ``context_starts`` each split's loop begins at the row's start (a variant
+    of the split kernel compiled for it; without starts the kernel is unchanged). Lengths and
+    starts are not range-checked on the device. CPU: the whole batch in one call of torch's fused
+    CPU flash attention (:func:`nanovllm.ops.decode_cpu.decode_cpu`), range-checked; without
+    Triton on another device: :func:`decode_attention_ref`.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, context_starts, k_scale, v_scale)
     if num_splits is not None and num_splits < 1:
