@@ -88,6 +88,9 @@ class SamplingParams:
         bad_words: strings never generated: each is tokenized with and without a leading space
             (vLLM's rule); a word of one token is masked at every step, a longer one's last token
             is masked when the output ends with its other tokens.
+        bad_words_token_ids: token sequences never generated, as ``bad_words`` but given as ids
+            (non-empty lists of ids >= 0, checked against the vocabulary when the request is
+            queued); the engine adds the sequences of ``bad_words`` to them.
         logit_bias: ``{token id: bias}`` added to the logits (after penalties, before sampling;
             string keys are read as ints, as vLLM's ``from_optional``); finite biases.
         best_of: None or ``n`` (beam search and best-of-n are not supported).
@@ -136,9 +139,6 @@ class SamplingParams:
     extra_args: dict | None = field(default=None, repr=False)
     skip_clone: bool = field(default=False, repr=False)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
-    """The token sequences of ``bad_words`` (vLLM's ``bad_words_token_ids``): set by the engine from
-    the model's tokenizer when the request is queued (``RequestChecker.bad_words_token_ids``), read by
-    the sampler's masks."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -222,6 +222,12 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = _checked_list("bad_words", self.bad_words, lambda w: isinstance(w, str) and w.strip(),
                                            "non-blank strings")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [
+                _checked_list("bad_words_token_ids", ids, lambda t: is_integer(t) and t >= 0, "integer token ids >= 0")
+                for ids in _checked_list("bad_words_token_ids", self.bad_words_token_ids,
+                                         lambda ids: not isinstance(ids, (str, bytes)) and hasattr(ids, "__len__")
+                                         and len(ids) > 0, "non-empty lists of token ids")]
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")

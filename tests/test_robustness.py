@@ -46,10 +46,17 @@ def _queued(engine) -> int:
     ("stop_token_ids", [1.5]),
     ("seed", 1.5),                    # accepted; generate() fails in torch manual_seed
     ("seed", 2 ** 70),                # accepted; "Overflow when unpacking long long" later
+    ("bad_words_token_ids", [[]]),    # an empty sequence would match every output
+    ("bad_words_token_ids", [5]),     # not a list of sequences
 ])
 def test_sampling_params_bad_type_or_value(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*({re.escape(repr(value))}|{re.escape(str(value))})"):
         SamplingParams(**{field: value})
+
+
+def test_bad_words_token_ids_negative_id_is_named():
+    with pytest.raises(ValueError, match=r"bad_words_token_ids must be a list of integer token ids >= 0, got -1 in \[3, -1\]"):
+        SamplingParams(bad_words_token_ids=[[3, -1]])
 
 
 # ---- generate(): everything validated before anything is queued --------------------------

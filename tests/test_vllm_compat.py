@@ -267,6 +267,12 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
         assert plain[0] not in first
     with pytest.raises(ValueError, match="allowed_token_ids has token id 99999, outside the vocabulary"):
         llm.generate([prompt], greedy(1, allowed_token_ids=[99999]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words_token_ids has token id 99999, outside the vocabulary"):
+        llm.generate([prompt], greedy(1, bad_words_token_ids=[[3, 99999]]), use_tqdm=False)
+    # given ids and bad_words together: both are banned (the words' sequences are added)
+    queued = llm._checks.params(greedy(1, bad_words_token_ids=[[plain[0]]], bad_words=["xyz"]), "p")
+    assert queued.bad_words_token_ids[0] == [plain[0]] and queued.bad_words_token_ids[1:] == [
+        ids for ids in llm._checks.bad_words_token_ids(["xyz"]) if ids != [plain[0]]]
     _serves(llm)
 
 

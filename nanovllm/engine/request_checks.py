@@ -69,12 +69,16 @@ class RequestChecker:
         if bad:
             raise ValueError(f"{name}: stop_token_ids has token id {bad[0]}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+        given_bad = [t for ids in params.bad_words_token_ids or () for t in ids]
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ()),
+                           ("bad_words_token_ids", given_bad)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name}: {field} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if params.bad_words:
-            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            given = params.bad_words_token_ids or []
+            params.bad_words_token_ids = given + [ids for ids in self.bad_words_token_ids(params.bad_words)
+                                                  if ids not in given]
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is None:
