@@ -22,9 +22,9 @@ import importlib
 import sys
 from collections import defaultdict
 
-import pytest
 import torch
 
+from _interpreter import require_triton
 from nanovllm.ops import (apply_rotary, block_sparse_attention, decode_attend_merge, decode_attention,
                           gather_host_pages, merge_attention_outputs, rms_norm, silu_and_mul,
                           store_kvcache)
@@ -140,7 +140,7 @@ def recorded_keys(monkeypatch):
     """Yields ``{kernel name: set of specialisation keys}``, filled by the launches made inside the
     block (the ops' Triton paths taken for CPU tensors, nothing launched; the device is taken to
     have the H200's 132 SMs)."""
-    pytest.importorskip("triton")
+    require_triton()
     keys = defaultdict(set)
     for name, kernel in kernels().items():
         bind = _binder(kernel)

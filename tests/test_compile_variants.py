@@ -7,9 +7,10 @@ the keys, 12 lengths in 1.5-2K gave 4-6 variants of each XAttention kernel.
 import pytest
 
 from _compile_variants import PROMPT_LENGTHS, WORKLOADS, recorded_keys, varying, xattn_prefill
+from _interpreter import require_triton
 from nanovllm.ops._triton import row_tile
 
-pytest.importorskip("triton")
+require_triton()
 
 WIDE_LENGTHS = (257, 300, 511, 1000, 1024, 2047, 3001, 4096, 5555, 8191, 12000, 15000)
 """Lengths across the first :func:`row_tile` octave: up to 128 key blocks of 128 tokens."""

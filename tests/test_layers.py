@@ -10,7 +10,13 @@ from nanovllm.ops.cpu_gemm import PackedWeight
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-needs_onednn = pytest.mark.skipif(not cpu_gemm._onednn_usable(), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_onednn_packed_linear_is_found_where_torch_has_onednn():
+    """The packed path turns itself off when torch lacks its op; with oneDNN built in it must not."""
+    assert cpu_gemm._onednn_usable()
 
 
 def assert_gemm_close(actual, expected):

@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval  # the test extra installs it
 import pytest
 import torch
-
-lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra (pip install -e '.[test]') is not installed")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4

@@ -100,12 +100,7 @@ def test_step_on_idle_engine_does_not_blame_the_kv_cache(llm):
     """step() with nothing queued raised 'could not schedule any sequence (KV cache too
     small)'; an idle engine should return ([], 0) or say there is nothing to run."""
     assert llm.is_finished()
-    try:
-        finished, num_tokens = llm.step()
-    except RuntimeError as e:
-        assert "KV cache" not in str(e), f"misleading message on an idle engine: {e}"
-    else:
-        assert finished == [] and num_tokens == 0
+    assert llm.step() == ([], 0)
 
 
 def test_pin_engine_still_serves_after_the_errors(llm, prompts, qwen3_dir):
@@ -162,13 +157,12 @@ def test_engine_option_bad_type(qwen3_dir, field, value):
         build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
 
 
-@pytest.mark.parametrize("field", ["enforce_eager", "enable_cpu_offload", "trust_remote_code", "enable_prefix_caching"])
-@pytest.mark.parametrize("value", ["no", 2, None])
+@pytest.mark.parametrize("field,value", [
+    (field, value) for field in ("enforce_eager", "enable_cpu_offload", "trust_remote_code", "enable_prefix_caching")
+    for value in ("no", 2, None) if (field, value) != ("enable_prefix_caching", None)])
 def test_engine_switch_must_be_a_bool(qwen3_dir, field, value):
     """enable_cpu_offload="no" turned the host tier on; enforce_eager="no" was taken as True.
     (enable_prefix_caching=None is vLLM's default, accepted: tests/test_vllm_compat.py.)"""
-    if field == "enable_prefix_caching" and value is None:
-        pytest.skip("None is vLLM's default for enable_prefix_caching")
     with pytest.raises(ValueError, match=rf"{field} must be True or False, got {value!r}"):
         build_llm(qwen3_dir, **{"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 4, field: value})
 

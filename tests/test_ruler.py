@@ -232,7 +232,9 @@ def test_cli_end_to_end_small(tmp_path, capsys, sparse):
     data = json.loads(out.read_text())
     (task,) = data["tasks"]
     assert task["task"] == "niah_single_numbers" and task["num_samples"] == 1
-    assert 0.0 <= task["mean_score"] <= 1.0 and 0.0 <= data["overall_mean_score"] <= 1.0
+    (output,), (answers,) = task["outputs"], task["answers"]
+    assert task["scores"] == [ruler.score("niah_single_numbers", output, answers)]  # scored from the output
+    assert task["mean_score"] == data["overall_mean_score"] == task["scores"][0]
     assert data["offload"]["num_ring_slots"] == 2 and data["input_len"] == 1000
     assert 1 <= task["generated_tokens"][0] <= 24
     stats = data["sparse_stats"]
