@@ -43,6 +43,29 @@ _backend: str | None = None  # "extension" | "jit" | "torch", once resolved
 _load_error: str | None = None  # why the accelerated backends are unavailable, when they are
 
 
+def _jit_build(errors: list[str]):
+    """The extension built from ``csrc/sgdma.cpp`` with torch's JIT loader, or None with the reason
+    appended to ``errors`` (no CUDA, no source, a failed build)."""
+    if not torch.cuda.is_available():
+        errors.append("torch.cuda is not available")
+        return None
+    if not _CSRC.is_file():
+        errors.append(f"source {_CSRC} not found")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        start = time.perf_counter()
+        module = load(name=_JIT_NAME, sources=[str(_CSRC)], with_cuda=True, extra_cflags=["-O2"], verbose=False)
+    except Exception as e:  # compiler missing, headers missing, link errors, ...
+        errors.append(f"JIT build of {_CSRC.name} failed: {type(e).__name__}: {e}")
+        logger.warning("sgdma: %s; strided copies fall back to row-by-row torch copies (much slower)", errors[-1])
+        return None
+    logger.info("sgdma: built/loaded the %s extension with torch.utils.cpp_extension in %.1f s",
+                _JIT_NAME, time.perf_counter() - start)
+    return module
+
+
 def _resolve() -> str:
     """Pick the backend once: prebuilt extension, else JIT build (needs CUDA), else torch."""
     global _module, _backend, _load_error
@@ -58,27 +81,9 @@ def _resolve() -> str:
             _module, _backend = _sgdma, "extension"
         except ImportError as e:
             errors.append(f"no prebuilt nanovllm._sgdma ({e})")
-        if _backend is None and not torch.cuda.is_available():
-            errors.append("torch.cuda is not available")
-        elif _backend is None and not _CSRC.is_file():
-            errors.append(f"source {_CSRC} not found")
-        elif _backend is None:
-            try:
-                from torch.utils.cpp_extension import load
-
-                start = time.perf_counter()
-                _module = load(name=_JIT_NAME, sources=[str(_CSRC)], with_cuda=True,
-                               extra_cflags=["-O2"], verbose=False)
-                _backend = "jit"
-                logger.info("sgdma: built/loaded the %s extension with torch.utils.cpp_extension "
-                            "in %.1f s", _JIT_NAME, time.perf_counter() - start)
-            except Exception as e:  # compiler missing, headers missing, link errors, ...
-                errors.append(f"JIT build of {_CSRC.name} failed: {type(e).__name__}: {e}")
-                logger.warning("sgdma: %s; strided copies fall back to row-by-row torch copies "
-                               "(much slower)", errors[-1])
-        if _backend is None:
-            _module, _backend = None, "torch"
-            _load_error = "; ".join(errors)
+            _module = _jit_build(errors)
+            _load_error = "; ".join(errors) if _module is None else None
+            _backend = "torch" if _module is None else "jit"  # last: other threads read it unlocked
         return _backend
 
 
