@@ -59,6 +59,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 
 import torch
 
@@ -133,7 +134,7 @@ def step_until_decoding(llm, report_every_s: float = 60.0) -> list:
         nonlocal last
         now = time.perf_counter()
         if now - last >= report_every_s:
-            computed = sum(s.num_computed_tokens for s in llm.scheduler.running)
+            computed = sum(s.num_computed_tokens for s in (*llm.scheduler.waiting, *llm.scheduler.running))
             print(f"prefill: {computed} tokens computed after {now - start:.0f} s", file=sys.stderr, flush=True)
             last = now
         return not llm.scheduler.waiting and all(s.num_completion_tokens for s in llm.scheduler.running)
@@ -203,6 +204,7 @@ def run_mode(args, mode: str, bw: dict) -> dict:
     try:
         return _measure(llm, args, bw)
     except (RuntimeError, ValueError) as err:  # e.g. a prompt the cache cannot hold
+        traceback.print_exc(file=sys.stderr)
         return {"error": str(err)}
     finally:
         llm.shutdown()

@@ -203,6 +203,44 @@ def test_prefill_ref_without_cache():
     assert_close(out[4:], naive_attention(q[4:], k[4:], v[4:], 0.5, True)[0], 1e-10)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["cache", "reader"])
+def test_prefill_attends_a_long_prefix_one_segment_at_a_time(source, dtype, tol, monkeypatch):
+    """A prefix longer than a segment is gathered (from the cache, or by its reader) and attended
+    one block-aligned segment at a time, in order, each token once, merged by LSE: the result is
+    the one-pass reference's; the transient rows never exceed a segment."""
+    pa = importlib.import_module("nanovllm.ops.prefill_attention")  # the package re-exports its function
+
+    seqlens_q, prefixes = [3, 5, 4], [37, 0, 13]
+    q, k, v, seqlens_k, k_cache, v_cache, tables, keys, values = prefill_case(dtype, seqlens_q, prefixes)
+    monkeypatch.setattr(pa, "PREFIX_SEGMENT_BYTES", 9 * k.shape[1] * k.shape[2] * k.element_size())
+    assert pa.segment_tokens(k, 4) == 8 and pa.segment_tokens(k, None) == 9, "9 rows: two blocks of 4"
+    asked, given = [], {}
+    if source == "reader":
+        for i in (0, 2):
+            given[i] = lambda first, last, i=i: asked.append((i, first, last)) or (keys[i][first:last],
+                                                                                 values[i][first:last])
+    else:
+        gather = pa.gather_tokens
+        monkeypatch.setattr(pa, "gather_tokens", lambda cache, table, first, last, *args: (
+            asked.append((int(tables.tolist().index(table.tolist())), first, last)) if cache is k_cache else None)
+            or gather(cache, table, first, last, *args))
+    out = prefill_attention(q, k, v, seqlens_q, seqlens_k, 0.3, k_cache, v_cache, tables, given)
+    assert asked == [(0, 0, 8), (0, 8, 16), (0, 16, 24), (0, 24, 32), (0, 32, 37), (2, 0, 8), (2, 8, 13)]
+    ref = prefill_attention_ref(q.double(), k.double(), v.double(), seqlens_q, seqlens_k, 0.3, k_cache.double(),
+                                v_cache.double(), tables)
+    assert out.dtype == dtype
+    assert_close(out, ref, tol)
+
+
+def test_prefill_refuses_a_reader_that_returns_other_rows():
+    seqlens_q, prefixes = [3], [10]
+    q, k, v, seqlens_k, k_cache, v_cache, tables, keys, values = prefill_case(torch.float32, seqlens_q, prefixes)
+    with pytest.raises(ValueError, match=r"the reader of prefixes\[0\] must return two torch.float32 tensors of 10 "
+                                         r"rows for tokens 0..9; got torch.float32 \(9, 2, 16\)"):
+        prefill_attention(q, k, v, seqlens_q, seqlens_k, 0.3, prefixes={0: lambda a, b: (keys[0][:9], values[0][:9])})
+
+
 @pytest.mark.parametrize("prefixes", [[5, 2, 0, 9, 3], [0, 0, 0, 0, 0], [0, 0, 4, 0, 0], [7, 0, 0, 0, 0]])
 def test_packed_context_is_each_sequence_prefix_then_rows(prefixes):
     """The varlen prefill's packed keys/values (CUDA path, built on any device): per non-empty
@@ -212,10 +250,10 @@ def test_packed_context_is_each_sequence_prefix_then_rows(prefixes):
     seqlens_q = [3, 0, 4, 1, 6]
     q, k, v, seqlens_k, k_cache, v_cache, tables, keys, values = prefill_case(torch.float32, seqlens_q, prefixes)
     seqs = list(_sequences(seqlens_q, seqlens_k))
-    for which, new, full, cache in ((0, k, keys, k_cache), (1, v, values, v_cache)):
-        packed = _packed_context(which, new, cache, seqs, tables, {})
-        assert torch.equal(packed, torch.cat([full[i] for i, n in enumerate(seqlens_q) if n]))
-        assert (packed is new) == (not any(p for p, n in zip(prefixes, seqlens_q) if n))
+    packed = _packed_context(k, v, k_cache, v_cache, seqs, tables, {})
+    for got, new, full in zip(packed, (k, v), (keys, values)):
+        assert torch.equal(got, torch.cat([full[i] for i, n in enumerate(seqlens_q) if n]))
+        assert (got is new) == (not any(p for p, n in zip(prefixes, seqlens_q) if n))
 
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(3, 3), (6, 2), (8, 2)])

@@ -94,6 +94,25 @@ def test_spilled_tiers_equal_gpu_only(request, prompts, references, arch, gpu_bl
         _assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_spilled_tiers_attend_their_prefixes_a_block_at_a_time(llama3_dir, prompts, references, monkeypatch, kv):
+    """Prefill attends a prefix one segment at a time (what bounds a 1M-token prefill's memory);
+    with segments of one block, every chunk of the ~0% split reads its prefix from both tiers in
+    several segments, and the outputs are still GPU-only mode's."""
+    import importlib
+
+    ref = references["llama3", kv]
+    ops = importlib.import_module("nanovllm.ops.prefill_attention")
+    monkeypatch.setattr(ops, "PREFIX_SEGMENT_BYTES", 1)
+    segments, rows = [], ops._prefix_rows
+    monkeypatch.setattr(ops, "_prefix_rows", lambda i, n, first, last, *args: segments.append((first, last)) or
+                        rows(i, n, first, last, *args))
+    with build_llm(llama3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=4, kv_cache_dtype=kv, **HOST) as llm:
+        _assert_equal(generate_with_logits(llm, prompts, DECODE), ref, kv)
+    assert segments and all(last - first <= BLOCK for first, last in segments)
+    assert max(last for _, last in segments) >= 2500, "the longest prompt's prefixes read in ~10 segments"
+
+
 def test_gpu_tier_holding_everything_spills_nothing(llama3_dir, prompts, references):
     with build_llm(llama3_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=BATCH_BLOCKS + 4, **HOST) as llm:
         _assert_equal(generate_with_logits(llm, prompts, DECODE), references["llama3"])
@@ -405,10 +424,14 @@ def test_decode_over_both_tiers_equals_the_reference(kv, slots):
     assert len(ring.groups) == LAYERS * -(-3 // (slots // 2)), "groups of half the ring"
 
 
+@pytest.mark.parametrize("segment", ["whole", "block"])
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_prefill_gathers_a_prefix_from_both_tiers(kv, monkeypatch):
+def test_prefill_gathers_a_prefix_from_both_tiers(kv, segment, monkeypatch):
     """The prefix from both tiers (fp8: dequantized with its scales); the chunk stored in the GPU tier
-    first, and attended to as stored (fp8: quantized once, by the store, and read back dequantized)."""
+    first, and attended to as stored (fp8: quantized once, by the store, and read back dequantized).
+    With segments of one block, the prefix is read a block at a time and its host block once."""
+    import importlib
+
     from nanovllm.ops import prefill_attention_ref
     from nanovllm.ops.kv_quant import quantize_ref
     from nanovllm.kvcache.context import Context, PrefixGather, reset_context, set_context
@@ -419,10 +442,15 @@ def test_prefill_gathers_a_prefix_from_both_tiers(kv, monkeypatch):
         if getattr(module, "quantize_ref", None) is quantize_ref:
             monkeypatch.setattr(module, "quantize_ref",
                                 lambda x, *args: quantized.append(x.shape[0]) or quantize_ref(x, *args))
+    if segment == "block":
+        monkeypatch.setattr(importlib.import_module("nanovllm.ops.prefill_attention"), "PREFIX_SEGMENT_BYTES", 1)
+    read = []
+    monkeypatch.setattr(host, "read_blocks", lambda layer, blocks, *args, f=host.read_blocks: read.append(blocks)
+                        or f(layer, blocks, *args))
     gpus, hosts, prefix, new = [0, -1, 3], [-1, 2, -1], 2 * BLOCK + 30, 50  # chunk continues block 2
     q, k, v = torch.randn(new, HEADS_Q, DIM), torch.randn(new, HEADS_KV, DIM), torch.randn(new, HEADS_KV, DIM)
     slots = torch.arange(prefix, prefix + new) % BLOCK + 3 * BLOCK
-    gather = PrefixGather(prefix, torch.tensor([0, 2]), torch.tensor([0, 3]), [(1, 2)])
+    gather = PrefixGather(prefix, [(0, 0), (2, 3)], [(1, 2)])
     ctx = Context(is_prefill=True, seqlens_q=[new], seqlens_k=[prefix + new], slot_mapping=slots,
                   block_tables=torch.tensor([gpus], dtype=torch.int32), prefix_gathers={0: gather})
     set_context(ctx)
@@ -440,3 +468,4 @@ def test_prefill_gathers_a_prefix_from_both_tiers(kv, monkeypatch):
     assert (out - ref).abs().max() <= 1e-5
     assert quantized == ([] if kv == "auto" else [new, new]), "the chunk's keys and values: quantized once"
     assert attention.stats.to_dict(True, True)["prefill"]["loaded_host_bytes"] == host.layer_block_bytes
+    assert read == ([[], [(0, 2)], []] if segment == "block" else [[(1, 2)]]), "segments of a block: block 1 alone"

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanovllm.utils.tensors import to_device
+
 if TYPE_CHECKING:
     from nanovllm.kvcache.selection import DecodeSelection
 
@@ -20,18 +22,29 @@ class PrefixGather:
 
     Attributes:
         num_tokens: prefix tokens (the sequence's context before this step's chunk).
-        gpu_index, gpu_ids: int64 ``[r]`` device tensors: the indices (logical block - the first
-            gathered block) of the gathered blocks in the GPU tier, and those blocks.
+        gpu: ``(index, GPU block)`` of the gathered blocks in the GPU tier, index = the logical
+            block - the first gathered block.
         host: ``(index, host block)`` of the gathered blocks in the host tier (indices as above).
         start: the first gathered token, a block boundary: 0, or with sliding windows in every
             layer the first block the widest window shows to the chunk's first query.
     """
 
     num_tokens: int
-    gpu_index: torch.Tensor
-    gpu_ids: torch.Tensor
+    gpu: list[tuple[int, int]]
     host: list[tuple[int, int]]
     start: int = 0
+    _spans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def blocks(self, first: int, last: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """The gathered blocks of indices ``first .. last - 1``, re-indexed from ``first``: the GPU
+        tier's as int64 device tensors ``(index, GPU block)`` and the host tier's as ``(index, host
+        block)`` pairs; built once per step and span (every layer reads the same spans)."""
+        if (first, last) not in self._spans:
+            gpu = [(j - first, block) for j, block in self.gpu if first <= j < last]
+            index, ids = (list(t) for t in zip(*gpu)) if gpu else ([], [])
+            self._spans[first, last] = (to_device(index, torch.int64, device), to_device(ids, torch.int64, device),
+                                        [(j - first, block) for j, block in self.host if first <= j < last])
+        return self._spans[first, last]
 
 
 @dataclass

@@ -93,9 +93,7 @@ class StepInputs:
         if not host:
             return None
         gpu = [(j - first, seq.block_table[j]) for j in range(first, num_blocks) if seq.block_table[j] != NO_BLOCK]
-        index, ids = (list(t) for t in zip(*gpu)) if gpu else ([], [])
-        return PrefixGather(num_tokens, to_device(index, torch.int64, self.device),
-                            to_device(ids, torch.int64, self.device), host, first * self.block_size)
+        return PrefixGather(num_tokens, gpu, host, first * self.block_size)
 
     def decode(self, seqs: list[Sequence], selection) -> tuple[Context, list[int], list[int], list[int]]:
         """The context and the inputs of a decode step (one token per sequence): each row reads

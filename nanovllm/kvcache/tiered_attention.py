@@ -4,10 +4,12 @@
                    + attention over its host-tier blocks (read through the ring), merged by LSE
 
 - **Prefill** (chunks of several sequences): the chunk's KV is stored in the GPU tier; each chunk
-  attends causally to itself and non-causally to its prefix. A prefix in the GPU tier is gathered
-  through the block table as in GPU-only mode; a prefix with host blocks is gathered from both
-  tiers (its host blocks copied H2D into the gathered buffer), so the kernels and the summation
-  order are those of GPU-only mode. A block-sparse policy (XAttention) masks per sequence.
+  attends causally to itself and non-causally to its prefix, a segment of the prefix at a time
+  (``prefill_attention``: the transient memory does not grow with the context). A prefix in the
+  GPU tier is gathered through the block table as in GPU-only mode; a prefix with host blocks is
+  read segment by segment from both tiers (its host blocks copied H2D into the segment's buffer,
+  :meth:`TieredAttention._prefix_reader`), so the kernels and the summation order are those of
+  GPU-only mode. A block-sparse policy (XAttention) masks per sequence over its whole context.
 - **Decode**: paged decode attention over the GPU-resident blocks of the whole batch, returning
   the LSE when some sequence has host blocks; then those host blocks stream through the ring in
   groups of slots, each group folded into its rows' ``(out, lse)`` by a paged read and an LSE
@@ -46,6 +48,7 @@ from nanovllm.kvcache.ring import RingReader
 from nanovllm.kvcache.tier_rows import TierRows
 from nanovllm.kvcache.selection import DecodeSelection
 from nanovllm.ops import KVStore, block_sparse_attention, decode_attention, prefill_attention, store_kvcache
+from nanovllm.ops.prefill_attention import PrefixReader
 from nanovllm.ops.kv_quant import dequantize
 from nanovllm.ops.store_kv import KVScales
 from nanovllm.ops.window_attention import gather_tokens, visible_block_layout, visible_blocks, window_start
@@ -182,32 +185,38 @@ class TieredAttention:
 
     # ---- prefill -----------------------------------------------------------------------
     def _prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache) -> torch.Tensor:
-        prefixes = {i: self._gather_prefix(layer, g, q.dtype) for i, g in ctx.prefix_gathers.items()}
-        if prefixes:
-            read = sum(len(g.host) for g in ctx.prefix_gathers.values()) * self.host.layer_block_bytes
-            self.stats.add_comm(layer, True, read, read)
+        prefixes = {i: self._prefix_reader(layer, g, q.dtype) for i, g in ctx.prefix_gathers.items()}
         if self.policy.dense_prefill:
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
                                      ctx.block_tables, prefixes, self.window(layer), **self.scales(layer))
         return self._sparse_prefill(layer, q, k, v, ctx, k_cache, v_cache, prefixes)
 
-    def _gather_prefix(self, layer: int, gather: PrefixGather, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefix's keys and values ``[num_tokens - start, Hkv, D]`` (its tokens from
-        ``gather.start`` on), from both tiers; an fp8 cache's gathered with their scales and
-        dequantized to ``dtype`` (the model's)."""
+    def _prefix_reader(self, layer: int, gather: PrefixGather, dtype: torch.dtype) -> PrefixReader:
+        """Reads ``layer``'s prefix tokens ``first .. last - 1`` (from ``gather.start`` on) from both
+        tiers when attention asks for them (a segment at a time: ``prefill_attention``): the blocks
+        holding them copied into new buffers (host blocks H2D, counted), an fp8 cache's dequantized
+        with their scales to ``dtype`` (the model's)."""
         block_size = self.k_cache.shape[2]
-        shape = (-(-gather.num_tokens // block_size) - gather.start // block_size, *self.k_cache.shape[2:])
-        out = [torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2)]
-        scales = None if self.k_scales is None else [self.k_scales.new_empty(shape[:-1]) for _ in range(2)]
-        for buf, cache in zip(out, (self.k_cache, self.v_cache)):
-            buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
-        for buf, cache in zip(scales or [], (self.k_scales, self.v_scales)):
-            buf[gather.gpu_index] = cache[layer][gather.gpu_ids]
-        self.host.read_blocks(layer, gather.host, out[0], out[1], None if scales is None else tuple(scales))
-        n = gather.num_tokens - gather.start
-        if scales is not None:
-            out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales)]
-        return out[0].flatten(0, 1)[:n], out[1].flatten(0, 1)[:n]
+
+        def read(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+            begin, end = (first - gather.start) // block_size, -(-(last - gather.start) // block_size)
+            gpu_index, gpu_ids, host = gather.blocks(begin, end, self.k_cache.device)
+            shape = (end - begin, *self.k_cache.shape[2:])
+            out = [torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device) for _ in range(2)]
+            scales = None if self.k_scales is None else [self.k_scales.new_empty(shape[:-1]) for _ in range(2)]
+            for buf, cache in zip(out, (self.k_cache, self.v_cache)):
+                buf[gpu_index] = cache[layer][gpu_ids]
+            for buf, cache in zip(scales or [], (self.k_scales, self.v_scales)):
+                buf[gpu_index] = cache[layer][gpu_ids]
+            self.host.read_blocks(layer, host, out[0], out[1], None if scales is None else tuple(scales))
+            loaded = len(host) * self.host.layer_block_bytes
+            self.stats.add_comm(layer, True, loaded, loaded)
+            if scales is not None:
+                out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales)]
+            skip = first - gather.start - begin * block_size
+            return tuple(buf.flatten(0, 1)[skip:skip + last - first] for buf in out)
+
+        return read
 
     def _sparse_prefill(self, layer, q, k, v, ctx: Context, k_cache, v_cache, prefixes) -> torch.Tensor:
         """Per sequence: the policy's mask over its whole context (with a window, from the block
@@ -229,12 +238,15 @@ class TieredAttention:
                     mask = mask & visible_block_layout(*mask.shape[1:], block_size, len_q, k_ctx.shape[0], window,
                                                        mask.device)
             self.stats.add_compute(layer, visible if mask is None else mask.sum(), visible)
-            work.append((rows, k_ctx, v_ctx, mask))
-        if all(mask is None for *_, mask in work):
+            work.append((i, rows, k_ctx, v_ctx, mask))
+        if all(mask is None for *_, mask in work):  # the contexts gathered for the masks are the prefixes
+            gathered = {i: (k_ctx[:k_ctx.shape[0] - (rows.stop - rows.start)],
+                            v_ctx[:v_ctx.shape[0] - (rows.stop - rows.start)])
+                        for i, rows, k_ctx, v_ctx, _ in work if k_ctx.shape[0] > rows.stop - rows.start}
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
-                                     ctx.block_tables, prefixes, window, **self.scales(layer))
+                                     ctx.block_tables, gathered, window, **self.scales(layer))
         out = torch.empty_like(q)
-        for rows, k_ctx, v_ctx, mask in work:
+        for _, rows, k_ctx, v_ctx, mask in work:
             len_q, len_k = q[rows].shape[0], k_ctx.shape[0]
             if mask is None:
                 prefix = {0: (k_ctx[:len_k - len_q], v_ctx[:len_k - len_q])} if len_k > len_q else None
@@ -248,15 +260,15 @@ class TieredAttention:
     def _context(self, layer, i, rows, len_k, k, v, k_cache, v_cache, ctx: Context, prefixes, window):
         """Keys and values of sequence i's context ``[len_k - first, Hkv, D]`` from ``first``: 0,
         or with a window the first token of the block it shows the chunk's first query (a block
-        boundary): its prefix (from ``prefixes``, their last rows, or ``layer``'s GPU tier, an fp8
-        cache's dequantized), then this chunk's rows."""
+        boundary): its prefix (read by its reader in ``prefixes``, or from ``layer``'s GPU tier, an
+        fp8 cache's dequantized), then this chunk's rows."""
         num_prefix = len_k - (rows.stop - rows.start)
         if not num_prefix:
             return k[rows], v[rows]
         block_size = self.k_cache.shape[2]
         first = window_start(num_prefix, window) // block_size * block_size
         if i in prefixes:
-            k_pre, v_pre = (t[t.shape[0] - (num_prefix - first):] for t in prefixes[i])
+            k_pre, v_pre = prefixes[i](first, num_prefix)
         else:
             scales = self.scales(layer)
             k_pre = gather_tokens(k_cache, ctx.block_tables[i], first, num_prefix, scales.get("k_scale"), k.dtype)

@@ -69,7 +69,7 @@ def dequantize(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     scales (``scale`` ``[...]`` float32, indexed as ``cache`` without its last dim), else a cast."""
     if scale is None:
         return cache.to(dtype)
-    return (cache.to(SCALE_DTYPE) * scale[..., None]).to(dtype)
+    return cache.to(SCALE_DTYPE, copy=True).mul_(scale[..., None]).to(dtype)
 
 
 def check_scales(cache: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+from typing import Callable
 
 import torch
 
@@ -10,7 +11,6 @@ from nanovllm.utils.ints import cdiv
 from ._triton import check_gqa, check_head_dim
 from .chunked_attention import flash_attn_with_lse, flash_attn_with_lse_ref, merge_attention_outputs
 from .kv_quant import check_scales
-from .store_kv import gather_kvcache
 from .window_attention import (check_window, flash_window, gather_tokens, sliding_window_attention,
                                sliding_window_attention_ref, window_start)
 
@@ -20,6 +20,21 @@ _VARLEN_MAX_MEAN_TOKENS = 1024
 """Mean new tokens per sequence up to which a multi-sequence prefill uses one varlen launch."""
 _varlen_failed: set = set()
 """(dtype, head_dim) for which torch's varlen FlashAttention-2 raised once; not retried."""
+PREFIX_SEGMENT_BYTES = 128 << 20
+"""Bytes of a cached prefix's keys, in the queries' dtype, that one sequence's chunk attends to at
+once: a longer prefix is gathered (and dequantized) and attended a segment at a time, the segments
+merged by LSE, so a prefill's transient memory does not grow with the context."""
+
+PrefixReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+"""``read(first, last)``: the keys and values of one sequence's prefix tokens ``first .. last - 1``,
+each ``[last - first, Hkv, D]`` in the queries' dtype (e.g. gathered from two KV tiers)."""
+
+
+def segment_tokens(k: torch.Tensor, block_size: int | None) -> int:
+    """Prefix tokens attended at once (:data:`PREFIX_SEGMENT_BYTES` of rows like ``k`` ``[N, Hkv,
+    D]``): a multiple of ``block_size`` (at least one block) when the prefix is paged."""
+    tokens = max(1, PREFIX_SEGMENT_BYTES // (k.shape[1] * k.shape[2] * k.element_size()))
+    return tokens if not block_size else max(block_size, tokens // block_size * block_size)
 
 
 def _check_packed(q, k, v) -> None:
@@ -45,9 +60,12 @@ def _check_lengths(num_tokens: int, seqlens_q: list[int], seqlens_k: list[int]) 
 
 
 def _check_prefixes(k, seqlens_q, seqlens_k, prefixes, window) -> None:
-    for i, (k_pre, v_pre) in prefixes.items():
+    for i, given in prefixes.items():
         if not 0 <= i < len(seqlens_q):
             raise ValueError(f"prefixes has sequence {i}, outside 0..{len(seqlens_q) - 1}")
+        if callable(given):
+            continue  # a reader's rows are checked as read
+        k_pre, v_pre = given
         prefix = seqlens_k[i] - seqlens_q[i]
         shape = (prefix, *k.shape[1:])
         if window is not None and k_pre.shape == v_pre.shape and tuple(k_pre.shape[1:]) == shape[1:] and \
@@ -115,34 +133,44 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _prefix(which: int, i: int, num_tokens: int, cache, block_tables, prefixes, dtype,
-            window: int | None = None, kv_scales=None) -> torch.Tensor:
-    """The first ``num_tokens`` keys (which=0) or values (1) of sequence i, or with a window only
-    those its chunk's first query sees (from ``window_start(num_tokens, window)``): given in
-    ``prefixes`` (their last rows), or gathered from the paged cache (only the blocks holding them;
-    an fp8 cache's dequantized by ``kv_scales[which]``)."""
-    first = window_start(num_tokens, window)
-    if i in prefixes:
-        return prefixes[i][which][prefixes[i][which].shape[0] - (num_tokens - first):].to(dtype)
-    scale = None if kv_scales is None else kv_scales[which]
-    if first:
-        return gather_tokens(cache, block_tables[i], first, num_tokens, scale, dtype)
-    return gather_kvcache(cache, block_tables[i], num_tokens, scale, dtype)
+def _prefix_rows(i: int, num_tokens: int, first: int, last: int, k_cache, v_cache, block_tables, prefixes,
+                 dtype, kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[last - first, Hkv, D]`` in ``dtype`` of the prefix tokens ``first .. last -
+    1`` of sequence i (whose prefix has ``num_tokens``): read by its reader or sliced from its tensors
+    (their last rows) in ``prefixes``, or gathered from the paged cache (only the blocks holding them;
+    an fp8 cache's dequantized by ``kv_scales``)."""
+    given = prefixes.get(i)
+    if given is None:
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+        return (gather_tokens(k_cache, block_tables[i], first, last, k_scale, dtype),
+                gather_tokens(v_cache, block_tables[i], first, last, v_scale, dtype))
+    if not callable(given):
+        offset = num_tokens - given[0].shape[0]
+        return tuple(t[first - offset:last - offset].to(dtype) for t in given)
+    k_pre, v_pre = given(first, last)
+    if k_pre.shape != v_pre.shape or k_pre.shape[0] != last - first or k_pre.dtype != dtype:
+        raise ValueError(f"the reader of prefixes[{i}] must return two {dtype} tensors of {last - first} rows for "
+                         f"tokens {first}..{last - 1}; got {k_pre.dtype} {tuple(k_pre.shape)} and {v_pre.dtype} "
+                         f"{tuple(v_pre.shape)}")
+    return k_pre, v_pre
 
 
-def _packed_context(which, k, cache, seqs, block_tables, prefixes, window=None, kv_scales=None) -> torch.Tensor:
-    """Keys (or values) of all sequences packed: the new rows, each prefixed sequence's prefix (the
+def _packed_context(k, v, k_cache, v_cache, seqs, block_tables, prefixes, window=None,
+                    kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of all sequences packed: the new rows, each prefixed sequence's prefix (the
     part the window shows) inserted before its rows. The rows between two prefixes are one slice
     (a chunk usually has one prefixed sequence: one cat of three pieces, not a slice per sequence)."""
-    pieces, start = [], 0
+    keys, values, start = [], [], 0
     for i, rows, prefix in seqs:
         if prefix:
-            pieces += [k[start:rows.start], _prefix(which, i, prefix, cache, block_tables, prefixes, k.dtype, window,
-                                                    kv_scales)]
+            k_pre, v_pre = _prefix_rows(i, prefix, window_start(prefix, window), prefix, k_cache, v_cache,
+                                        block_tables, prefixes, k.dtype, kv_scales)
+            keys += [k[start:rows.start], k_pre]
+            values += [v[start:rows.start], v_pre]
             start = rows.start
-    if not pieces:
-        return k
-    return torch.cat([*pieces, k[start:]])
+    if not keys:
+        return k, v
+    return torch.cat([*keys, k[start:]]), torch.cat([*values, v[start:]])
 
 
 def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, kv_scales,
@@ -151,8 +179,7 @@ def _prefill_varlen(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, bloc
     bottom-right aligned per sequence; with a window, its band, over only the prefix tokens the
     window shows)."""
     seqs = list(_sequences(seqlens_q, seqlens_k))
-    keys = _packed_context(0, k, k_cache, seqs, block_tables, prefixes, window, kv_scales)
-    values = _packed_context(1, v, v_cache, seqs, block_tables, prefixes, window, kv_scales)
+    keys, values = _packed_context(k, v, k_cache, v_cache, seqs, block_tables, prefixes, window, kv_scales)
     lens_q = [seqlens_q[i] for i, _, _ in seqs]
     lens_k = [seqlens_k[i] - window_start(prefix, window) for i, _, prefix in seqs]
     cu_q, cu_k = _cumulative(lens_q, q.device), _cumulative(lens_k, q.device)
@@ -170,32 +197,38 @@ def _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, bloc
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
         if prefix:
-            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, window, kv_scales),
-                              keys])
-            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, window, kv_scales),
-                                values])
+            k_pre, v_pre = _prefix_rows(i, prefix, window_start(prefix, window), prefix, k_cache, v_cache,
+                                        block_tables, prefixes, k.dtype, kv_scales)
+            keys, values = torch.cat([k_pre, keys]), torch.cat([v_pre, values])
         out[rows] = attend(q[rows], keys, values, scale, window)
     return out
 
 
 def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes,
                           kv_scales):
-    """Per sequence: causal over its new rows, non-causal over its gathered prefix, LSE merge."""
+    """Per sequence: causal over its new rows, then non-causal over its prefix one segment
+    (:func:`segment_tokens`) at a time, each gathered when attended and merged by LSE (in float32
+    when the prefix has several segments)."""
     out = torch.empty_like(q)
+    segment = segment_tokens(k, None if k_cache is None else k_cache.shape[1])
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         q_i = q[None, rows]
         o, lse = flash_attn_with_lse(q_i, k[None, rows], v[None, rows], scale, True)
-        if prefix:
-            k_pre = _prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, kv_scales=kv_scales)
-            v_pre = _prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, kv_scales=kv_scales)
+        if prefix > segment:
+            o = o.float()
+        for first in range(0, prefix, segment):
+            k_pre, v_pre = _prefix_rows(i, prefix, first, min(prefix, first + segment), k_cache, v_cache,
+                                        block_tables, prefixes, k.dtype, kv_scales)
             o_pre, lse_pre = flash_attn_with_lse(q_i, k_pre[None], v_pre[None], scale, False)
-            o = merge_attention_outputs(o, lse, o_pre, lse_pre)[0]
+            o, lse = merge_attention_outputs(o, lse, o_pre, lse_pre)
         out[rows] = o[0]
     return out
 
 
-def _use_varlen(q: torch.Tensor, seqlens_q: list[int], window: int | None = None) -> bool:
-    """Several short sequences in fp16/bf16 on CUDA, or with a sliding window any (the one fused
+def _use_varlen(q: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int], window: int | None,
+                segment: int) -> bool:
+    """Several short sequences in fp16/bf16 on CUDA whose prefixes together fit one segment
+    (``segment`` tokens: varlen packs whole contexts), or with a sliding window any (the one fused
     kernel with a window): each per-sequence step costs host time, while varlen FlashAttention-2
     runs at a fraction of cuDNN's rate, so many short sequences go through varlen and few long
     ones through cuDNN (docs/ops.md, 'prefill_attention.py')."""
@@ -203,7 +236,9 @@ def _use_varlen(q: torch.Tensor, seqlens_q: list[int], window: int | None = None
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (q.dtype, q.shape[2]) not in _varlen_failed
             and lengths):
         return False
-    return window is not None or (len(lengths) > 1 and sum(lengths) <= _VARLEN_MAX_MEAN_TOKENS * len(lengths))
+    prefixes = sum(len_k - len_q for len_q, len_k in zip(seqlens_q, seqlens_k) if len_q)
+    return window is not None or (len(lengths) > 1 and sum(lengths) <= _VARLEN_MAX_MEAN_TOKENS * len(lengths)
+                                  and prefixes <= segment)
 
 
 def prefill_attention_ref(
@@ -234,10 +269,9 @@ def prefill_attention_ref(
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         keys, values = k[rows], v[rows]
         if prefix:
-            keys = torch.cat([_prefix(0, i, prefix, k_cache, block_tables, prefixes, k.dtype, kv_scales=kv_scales),
-                              keys])
-            values = torch.cat([_prefix(1, i, prefix, v_cache, block_tables, prefixes, v.dtype, kv_scales=kv_scales),
-                                values])
+            k_pre, v_pre = _prefix_rows(i, prefix, 0, prefix, k_cache, v_cache, block_tables, prefixes, k.dtype,
+                                        kv_scales)
+            keys, values = torch.cat([k_pre, keys]), torch.cat([v_pre, values])
         out[rows] = flash_attn_with_lse_ref(q[None, rows], keys[None], values[None], scale, True)[0][0]
     return out
 
@@ -272,9 +306,10 @@ def prefill_attention(
         block_tables: int32 ``[>= num_seqs, max_blocks]`` block ids, covering the whole context
             of each sequence that has a prefix (except those in ``prefixes``).
         prefixes: ``{i: (k_prefix, v_prefix)}``, each ``[seqlens_k[i] - seqlens_q[i], Hkv, D]``:
-            the prefix of sequence i, already gathered (e.g. from two KV tiers), instead of the
-            cache's; with a window, possibly only its last rows (at least those the window shows:
-            ``min(prefix, sliding_window - 1)``).
+            the prefix of sequence i, already gathered, instead of the cache's; with a window,
+            possibly only its last rows (at least those the window shows: ``min(prefix,
+            sliding_window - 1)``). Or ``{i: reader}``, a :data:`PrefixReader` called for the
+            token ranges attended (e.g. gathering them from two KV tiers).
         sliding_window: None, or each query at position p attends only to the keys at
             ``p - sliding_window + 1 .. p`` (an int >= 1): only the prefix tokens some query of a
             chunk sees are gathered (from ``window_start(prefix, sliding_window)`` on) and the
@@ -293,13 +328,14 @@ def prefill_attention(
             block table too short for a prefixed context, or a given prefix of the wrong shape
             (messages give the value and the limit); scales missing for fp8 caches or given for others.
 
-    CUDA, several sequences of at most 1024 new tokens on average in fp16/bf16: one varlen
-    FlashAttention-2 launch (``torch.ops.aten._flash_attention_forward``, GQA native, bottom-right
-    causal) over packed keys: the new k/v rows, or for a sequence with a prefix its whole context
-    gathered from the cache. Otherwise (or if that kernel raises), per
-    sequence: the new rows attend causally to themselves and non-causally to the prefix gathered
-    from the cache, each through :func:`flash_attn_with_lse` (cuDNN), merged by LSE with
-    :func:`merge_attention_outputs`. Host lists mean no device sync on either path.
+    CUDA, several sequences of at most 1024 new tokens on average in fp16/bf16 whose prefixes
+    together fit one segment (:func:`segment_tokens`): one varlen FlashAttention-2 launch
+    (``torch.ops.aten._flash_attention_forward``, GQA native, bottom-right causal) over packed keys:
+    the new k/v rows, or for a sequence with a prefix its whole context gathered from the cache.
+    Otherwise (or if that kernel raises), per sequence: the new rows attend causally to themselves
+    and non-causally to the prefix, gathered and attended one segment at a time (so memory does
+    not grow with the context), each through :func:`flash_attn_with_lse` (cuDNN), merged by LSE
+    with :func:`merge_attention_outputs`. Host lists mean no device sync on either path.
     CPU: the per-sequence path over torch's fused CPU attention (:func:`prefill_attention_ref`
     is the plain-math reference). With a window: fp16/bf16 on CUDA one varlen FlashAttention-2
     launch with its window over the packed chunks and the prefix tokens they see; otherwise per
@@ -309,7 +345,8 @@ def prefill_attention(
     kv_scales = _check_prefill_args(q, k, v, seqlens_q, seqlens_k, k_cache, v_cache, block_tables, prefixes,
                                     sliding_window, k_scale, v_scale)
     args = (q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes, kv_scales)
-    if _use_varlen(q, seqlens_q, sliding_window):
+    segment = segment_tokens(k, None if k_cache is None else k_cache.shape[1])
+    if _use_varlen(q, seqlens_q, seqlens_k, sliding_window, segment):
         try:
             return _prefill_varlen(*args, sliding_window)
         except RuntimeError as err:

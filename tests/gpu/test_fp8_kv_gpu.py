@@ -4,6 +4,7 @@ contexts up to 8K), and the engine with ``kv_cache_dtype="fp8"`` (CUDA graphs on
 
     python -m pytest tests/gpu/test_fp8_kv_gpu.py -q
 """
+import importlib
 import math
 
 import pytest
@@ -185,8 +186,13 @@ def test_page_gather_from_pinned_host_moves_scales():
         assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("segment", ["whole", "512"])
 @pytest.mark.parametrize("window", [None, 1000])
-def test_prefill_over_an_fp8_prefix_matches_reference(window):
+def test_prefill_over_an_fp8_prefix_matches_reference(window, segment, monkeypatch):
+    """(Segments of 512 tokens: the prefix gathered, dequantized and attended a segment at a time.)"""
+    if segment != "whole":
+        monkeypatch.setattr(importlib.import_module("nanovllm.ops.prefill_attention"), "PREFIX_SEGMENT_BYTES",
+                            512 * 8 * 128 * 2)
     k_cache, v_cache, scales, tables = _fp8_cache([3000, 700], 8, 128, torch.float8_e4m3fn)
     seqlens_q, seqlens_k = [500, 700], [3000, 700]
     q = torch.randn(1200, 32, 128, device=DEVICE, dtype=torch.bfloat16)

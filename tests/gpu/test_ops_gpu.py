@@ -196,6 +196,24 @@ def test_prefill_attention_with_cached_prefix(dim, heads_q, heads_kv, seqlens_q,
     assert not prefill_module._varlen_failed
 
 
+@pytest.mark.parametrize("seqlens_q,prefixes", [([2000], [6000]), ([600, 37, 300], [5000, 4100, 1500])],
+                         ids=["one", "several"])
+def test_prefill_attention_over_prefixes_of_several_segments(seqlens_q, prefixes, monkeypatch):
+    """Segments of 1,024 tokens: each prefix gathered and attended by cuDNN a segment at a time,
+    the outputs merged by LSE in float32 (the Triton merge of a float32 and a bf16 side); several
+    short chunks whose prefixes exceed a segment leave the varlen launch for this path."""
+    monkeypatch.setattr(prefill_module, "PREFIX_SEGMENT_BYTES", 1024 * 8 * 128 * 2)
+    seqlens_k = [n + p for n, p in zip(seqlens_q, prefixes)]
+    k_cache, v_cache, tables = paged_cache(seqlens_k, 8, 128, torch.bfloat16)
+    q = torch.randn(sum(seqlens_q), 32, 128, device=DEVICE).bfloat16()
+    k, v = (torch.randn(sum(seqlens_q), 8, 128, device=DEVICE).bfloat16() for _ in range(2))
+    store_kvcache(k, v, k_cache, v_cache, new_token_slots(seqlens_q, prefixes, tables))
+    out = prefill_attention(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables)
+    ref = prefill_attention_ref(q, k, v, seqlens_q, seqlens_k, 128**-0.5, k_cache, v_cache, tables)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads_q,heads_kv", GQA)
 @pytest.mark.parametrize("batch,max_context", [(1, 8192), (4, 8192), (37, 3000), (256, 4096)])

@@ -112,9 +112,7 @@ def test_prefix_with_host_blocks_equals_the_gpu_tier():
         host.k_host[0, host_id].copy_(k_cache[table[page]])
         host.v_host[0, host_id].copy_(v_cache[table[page]])
     on_gpu = [j for j in range(4096 // PAGE) if j not in moved]
-    context.prefix_gathers = {0: PrefixGather(4096, torch.tensor(on_gpu, device=DEVICE),
-                                              torch.tensor([table[j] for j in on_gpu], device=DEVICE),
-                                              list(moved.items()))}
+    context.prefix_gathers = {0: PrefixGather(4096, [(j, table[j]) for j in on_gpu], list(moved.items()))}
     for page in moved:  # the GPU copies are gone
         k_cache[table[page]] = float("nan")
         v_cache[table[page]] = float("nan")
