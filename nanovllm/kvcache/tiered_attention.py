@@ -211,8 +211,7 @@ class TieredAttention:
             self.host.read_blocks(layer, host, out[0], out[1], None if scales is None else tuple(scales))
             loaded = len(host) * self.host.layer_block_bytes
             self.stats.add_comm(layer, True, loaded, loaded)
-            if scales is not None:
-                out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales)]
+            out = [dequantize(buf, scale, dtype) for buf, scale in zip(out, scales or (None, None))]
             skip = first - gather.start - begin * block_size
             return tuple(buf.flatten(0, 1)[skip:skip + last - first] for buf in out)
 
