@@ -818,6 +818,18 @@ def test_interpreted_merge_matches_reference(dtype):
 
 
 @interpreted_only
+def test_interpreted_merge_of_a_float32_and_a_bf16_side():
+    """A prefix attended in segments accumulates in float32 (prefill_attention): the kernel merges
+    a float32 running output with a bf16 segment's and returns float32."""
+    o1, lse1, o2, lse2 = neg_inf_merge_inputs(torch.float32)
+    out, lse = merge_attention_outputs(o1, lse1, o2.bfloat16(), lse2)
+    ref_out, ref_lse = merge_attention_outputs_ref(o1, lse1, o2.bfloat16().float(), lse2)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+@interpreted_only
 def test_interpreted_merge_of_strided_halves_equals_full_attention():
     q = torch.randn(1, 6, 5, 80)
     k, v = torch.randn(1, 10, 5, 80), torch.randn(1, 10, 5, 80)
@@ -1055,7 +1067,7 @@ def test_interpreted_gather_host_pages_matches_reference(dtype):
 # ---------------------------------------------------------------- launcher of the above
 @eager_only
 def test_triton_kernels_under_interpreter():
-    run_interpreted_tests(__file__, min_passed=57)
+    run_interpreted_tests(__file__, min_passed=58)
 
 
 def test_decode_split_plan_splits_only_an_under_filled_gpu():
