@@ -462,6 +462,20 @@ def test_bench_offload_bound_counts_a_choosing_policys_reads_and_metadata(qwen3_
     assert bounds["QUEST"] != bounds["FULL"]
 
 
+def test_bench_offload_reports_the_progress_of_a_prompt_prefilled_in_chunks(qwen3_dir, capsys):
+    """``bench_offload.step_until_decoding``: a prompt prefilled in chunks waits until its last
+    chunk; the progress lines count its computed tokens all the same."""
+    import re
+
+    import bench_offload
+
+    with build_llm(qwen3_dir, max_num_batched_tokens=256) as llm:
+        llm.add_request(random_prompt(900, seed=12), greedy(2))
+        bench_offload.step_until_decoding(llm, report_every_s=0.0)
+    counts = [int(n) for n in re.findall(r"prefill: (\d+) tokens computed", capsys.readouterr().err)]
+    assert {256, 512, 768} <= set(counts) and max(counts) <= 900, counts
+
+
 def test_bench_selection_host_runs_the_policys_scoring_on_cpu(capsys):
     """``benchmarks/bench_selection_host.py --score``: the policy built from the benchmark's options
     (every option ``from_config`` reads) times a step with and without the reuse cache."""
