@@ -237,20 +237,19 @@ class TieredAttention:
                     mask = mask & visible_block_layout(*mask.shape[1:], block_size, len_q, k_ctx.shape[0], window,
                                                        mask.device)
             self.stats.add_compute(layer, visible if mask is None else mask.sum(), visible)
-            work.append((i, rows, k_ctx, v_ctx, mask))
-        if all(mask is None for *_, mask in work):  # the contexts gathered for the masks are the prefixes
-            gathered = {i: (k_ctx[:k_ctx.shape[0] - (rows.stop - rows.start)],
-                            v_ctx[:v_ctx.shape[0] - (rows.stop - rows.start)])
-                        for i, rows, k_ctx, v_ctx, _ in work if k_ctx.shape[0] > rows.stop - rows.start}
+            num_prefix = k_ctx.shape[0] - len_q  # the gathered prefix rows (with a window, its last ones)
+            prefix = (k_ctx[:num_prefix], v_ctx[:num_prefix]) if num_prefix else None
+            work.append((i, rows, k_ctx, v_ctx, prefix, mask))
+        if all(mask is None for *_, mask in work):  # the contexts gathered for the masks hold the prefixes
+            gathered = {i: prefix for i, _, _, _, prefix, _ in work if prefix is not None}
             return prefill_attention(q, k, v, ctx.seqlens_q, ctx.seqlens_k, self.scale, k_cache, v_cache,
                                      ctx.block_tables, gathered, window, **self.scales(layer))
         out = torch.empty_like(q)
-        for _, rows, k_ctx, v_ctx, mask in work:
-            len_q, len_k = q[rows].shape[0], k_ctx.shape[0]
+        for _, rows, k_ctx, v_ctx, prefix, mask in work:
             if mask is None:
-                prefix = {0: (k_ctx[:len_k - len_q], v_ctx[:len_k - len_q])} if len_k > len_q else None
-                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [len_q], [len_k], self.scale, prefixes=prefix,
-                                              sliding_window=window)
+                len_q, len_k = rows.stop - rows.start, k_ctx.shape[0]
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [len_q], [len_k], self.scale,
+                                              prefixes=None if prefix is None else {0: prefix}, sliding_window=window)
             else:
                 out[rows] = block_sparse_attention(q[rows], k_ctx, v_ctx, mask, block_size, self.scale, causal=True,
                                                    window=window)[0]

@@ -205,12 +205,11 @@ def _prefill_window(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, bloc
 
 
 def _prefill_per_sequence(q, k, v, seqlens_q, seqlens_k, scale, k_cache, v_cache, block_tables, prefixes,
-                          kv_scales):
-    """Per sequence: causal over its new rows, then non-causal over its prefix one segment
+                          kv_scales, segment):
+    """Per sequence: causal over its new rows, then non-causal over its prefix ``segment`` tokens
     (:func:`segment_tokens`) at a time, each gathered when attended and merged by LSE (in float32
     when the prefix has several segments)."""
     out = torch.empty_like(q)
-    segment = segment_tokens(k, None if k_cache is None else k_cache.shape[1])
     for i, rows, prefix in _sequences(seqlens_q, seqlens_k):
         q_i = q[None, rows]
         o, lse = flash_attn_with_lse(q_i, k[None, rows], v[None, rows], scale, True)
@@ -354,4 +353,4 @@ def prefill_attention(
             logger.warning("varlen FlashAttention-2 unavailable for %s head_dim %d: %s", q.dtype, q.shape[2], err)
     if sliding_window is not None:
         return _prefill_window(*args, sliding_window)
-    return _prefill_per_sequence(*args)
+    return _prefill_per_sequence(*args, segment)

@@ -9,8 +9,8 @@ slots of 1,024 tokens, 125 ring blocks per layer and step), where the decode ord
 vs paged + ring blocks merged by LSE) differ by ~1e-6 and any differing token is a bug; in
 bfloat16 a parting must be a near-tie: its candidates' teacher-forced logits closer than bf16 noise
 measured at that length (the GPU-only run's decode logprobs against the teacher-forced forward of
-the same tokens, ``tools.divergence.decode_noise``; at least ``NEAR_TIE``). 20 repeated 32K runs (16 decode steps) with 2 slots must all be
-identical. Slow; run it on the device:
+the same tokens, ``tools.divergence.decode_noise``; at least ``NEAR_TIE``). 20 repeated 32K runs
+(16 decode steps) with 2 slots must all be identical. Slow; run it on the device:
 
     python -m pytest tests/gpu/test_tiers_gpu.py -q
 """
