@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from _interpreter import interpreted_only, run_interpreted_tests
 from _util import build_llm, generate_with_logits, greedy, random_prompt, token_ids
 from benchmarks.key_offset_sources import hf_key_means, hf_logits, quantized_logits
-from benchmarks.kv_dtype_agreement import teacher_forced_top1
+from benchmarks.kv_dtype_agreement import teacher_forced
 from nanovllm.kvcache import sizing
 from nanovllm.kvcache.spec import LayerKVSpec
 from nanovllm.ops import (decode_attend_merge, decode_attend_merge_ref, decode_attention, decode_attention_ref,
@@ -717,7 +717,7 @@ def test_smollm2_fp8_kv_agrees_with_float32_kv_on_real_text():
     for kv in ("auto", "fp8_e4m3"):
         with LLM(model, dtype="float32", device="cpu", max_model_len=1024, enforce_eager=True,
                  max_num_batched_tokens=128, kv_cache_dtype=kv) as llm:
-            top1[kv] = teacher_forced_top1(llm, ids)
+            top1[kv] = teacher_forced(llm, ids)[0]
     assert len(top1["auto"]) == 639 >= 512
     agreement = sum(a == b for a, b in zip(top1["auto"], top1["fp8_e4m3"])) / len(top1["auto"])
     hf = [_hf_top1(model, ids, quantize, 1024) for quantize in (False, True)]

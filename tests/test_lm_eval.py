@@ -160,12 +160,13 @@ def test_lm_evals_default_device_runs_where_cuda_is_absent(monkeypatch):
 @pytest.mark.slow
 def test_command_line_runs_lm_eval_with_the_backend(smollm2_dir, tasks, tmp_path):
     """``python -m nanovllm.integrations.lm_eval`` takes lm-eval's own arguments (its default
-    ``--device`` included, on this CUDA-less machine)."""
+    ``--device`` included, on this CUDA-less machine), ``--batch_size auto`` as the README gives it."""
     out = subprocess.run(
-        [sys.executable, "-m", "nanovllm.integrations.lm_eval", "--model", "nanovllm", "--model_args",
+        [sys.executable, "-m", "nanovllm.integrations.lm_eval", "--model", "nanovllm", "--batch_size", "auto",
+         "--model_args",
          f"pretrained={smollm2_dir},dtype=float32,enforce_eager=True,max_model_len=1024,num_kvcache_blocks=8",
          "--tasks", "nano_mc", "--include_path", str(tasks), "--limit", "4",
          "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "nano_mc" in out.stdout and "acc" in out.stdout
+    assert "nano_mc" in out.stdout and "acc" in out.stdout and "batch_size: auto" in out.stdout
