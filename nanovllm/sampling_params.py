@@ -37,7 +37,7 @@ def _checked_list(name: str, value, item_ok, item_kind: str) -> list:
     return items
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
     """How one request is decoded; names, defaults and meanings are vLLM's (``vllm.SamplingParams``)
     except ``max_tokens``, whose default stays nano-vLLM's 64 (vLLM's is 16).
@@ -97,6 +97,9 @@ class SamplingParams:
         logits_processors, structured_outputs, guided_decoding: None (not supported).
         flat_logprobs: False (logprobs are vLLM's dicts). output_kind, extra_args, skip_clone:
             accepted and not used (offline generation returns final outputs only).
+
+    Every field is keyword-only: vLLM's first field is ``n`` and nano-vLLM's ``temperature``, so a
+    positional value would mean different things to code ported from each (``TypeError``).
 
     Masks and bias run on the device for the whole batch, like the penalties; a batch whose
     requests use none of them skips them.

@@ -245,3 +245,11 @@ def test_sampler_distribution():
         expected = torch.where(keep, (base / temperature).double(), -math.inf).softmax(-1)
         assert freq[~keep].sum() == 0, (temperature, top_k, top_p)
         assert (freq - expected).abs().max() < 0.015, (temperature, top_k, top_p, freq, expected)
+
+
+def test_sampling_params_fields_are_keyword_only():
+    """vLLM's first field is n and nano-vLLM's temperature: a positional value is refused rather
+    than read as either."""
+    with pytest.raises(TypeError):
+        SamplingParams(2)
+    assert SamplingParams(n=2).n == 2 and SamplingParams(temperature=2).temperature == 2
