@@ -92,7 +92,8 @@ class SamplingParams:
             (non-empty lists of ids >= 0, checked against the vocabulary when the request is
             queued); the engine adds the sequences of ``bad_words`` to them.
         logit_bias: ``{token id: bias}`` added to the logits (after penalties, before sampling;
-            string keys are read as ints, as vLLM's ``from_optional``); finite biases.
+            string keys are read as ints, as vLLM's ``from_optional``); finite biases, clamped to
+            float32's range.
         best_of: None or ``n`` (beam search and best-of-n are not supported).
         logits_processors, structured_outputs, guided_decoding: None (not supported).
         flat_logprobs: False (logprobs are vLLM's dicts). output_kind, extra_args, skip_clone:
@@ -106,7 +107,10 @@ class SamplingParams:
 
     Raises:
         ValueError: a field of the wrong type or outside its range, naming the field, the value
-            and the limit; the engine checks every field again when the request is queued.
+            and the limit; the engine checks every field again when the request is queued, and
+            refuses masks that leave the first token nothing to sample (``allowed_token_ids`` all
+            bad words, or all eos and stop ids under ``min_tokens``). A longer bad word that bans
+            the last allowed tokens later raises RuntimeError from ``generate``.
     """
 
     temperature: float = 1.0

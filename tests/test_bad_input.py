@@ -1,5 +1,6 @@
 """Bad input fails loudly with a message naming the value and the limit (ValueError for user
 input, RuntimeError for resources), and leaves the engine serving everything else."""
+import io
 import re
 
 import pytest
@@ -89,16 +90,32 @@ def test_token_id_outside_vocab(llm, bad_id):
 
 
 def test_sampling_params_count_mismatch(llm, good_prompts):
-    with pytest.raises(ValueError, match=r"^sampling_params has 2 entries for 3 prompt\(s\): give one SamplingParams"):
+    with pytest.raises(ValueError, match=r"^sampling_params has 2 entries but prompts has 3: give one SamplingParams"):
         llm.generate(good_prompts, [greedy(1), greedy(1)], use_tqdm=False)
     assert llm.is_finished()
 
 
 @pytest.mark.parametrize("value", ["no", 0, None])
-def test_use_tqdm_must_be_a_bool(llm, good_prompts, value):
-    with pytest.raises(ValueError, match=rf"^use_tqdm must be True or False, got {re.escape(repr(value))}"):
+def test_use_tqdm_must_be_a_bool_or_a_callable(llm, good_prompts, value):
+    with pytest.raises(ValueError, match=rf"^use_tqdm must be True, False or a callable .*got {re.escape(repr(value))}"):
         llm.generate(good_prompts, greedy(1), use_tqdm=value)
     assert llm.is_finished()
+
+
+def test_use_tqdm_callable_makes_the_bar(llm, good_prompts):
+    """vLLM's form: a callable (tqdm's signature) makes the progress bar."""
+    from functools import partial
+
+    from tqdm import tqdm
+
+    bars = []
+
+    def make(**kwargs):
+        bars.append(partial(tqdm, file=io.StringIO())(**kwargs))
+        return bars[-1]
+
+    llm.generate(good_prompts, greedy(1), use_tqdm=make)
+    assert len(bars) == 1 and bars[0].n == bars[0].total == len(good_prompts)
 
 
 # ---- sampling parameters -----------------------------------------------------------------
@@ -184,7 +201,7 @@ def test_bad_dtype_and_device(qwen3_dir):
 
 def test_not_enough_kv_memory_for_one_sequence(qwen3_dir):
     with pytest.raises(RuntimeError, match=r"1 GPU \+ 0 host blocks x 256 = 256 tokens, fewer than "
-                                           r"max_model_len=1024"):
+                                           r"max_model_len=1024.*lower max_model_len or kvcache_block_size"):
         build_llm(qwen3_dir, num_kvcache_blocks=1, max_model_len=1024)
 
 

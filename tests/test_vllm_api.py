@@ -499,7 +499,7 @@ def test_generate_refuses_to_run_requests_queued_with_add_request(llm):
     prompt = random_prompt(30, seed=1610)
     want = llm.generate([prompt], greedy(6), use_tqdm=False)[0]["token_ids"]
     seq_id = llm.add_request(prompt, greedy(6))
-    with pytest.raises(RuntimeError, match=r"1 requests queued with add_request\(\) are unfinished"):
+    with pytest.raises(RuntimeError, match=r"1 sequence\(s\) queued with add_request\(\) are unfinished"):
         llm.generate([random_prompt(10, seed=1611)], greedy(2), use_tqdm=False)
     with pytest.raises(RuntimeError, match=r"add_request"):
         llm.chat([{"role": "user", "content": "hi"}], greedy(2), chat_template="{{ messages[0]['content'] }}",
@@ -660,6 +660,8 @@ def test_chat_too_long_conversation_is_named(llm):
     with pytest.raises(ValueError, match=r"^messages\[1\] has \d+ tokens, more than max_model_len="):
         llm.chat([[{"role": "user", "content": "a"}], long], greedy(2), chat_template=TEMPLATE, use_tqdm=False)
     assert llm.is_finished()
+    with pytest.raises(ValueError, match=r"^sampling_params has 2 entries but messages has 1: "):
+        llm.chat([{"role": "user", "content": "a"}], [greedy(2)] * 2, chat_template=TEMPLATE, use_tqdm=False)
 
 
 def test_chat_without_a_template(llm):

@@ -276,6 +276,42 @@ def test_allowed_token_ids_logit_bias_and_bad_words(llm):
     _serves(llm)
 
 
+def test_masks_that_leave_no_token_raise(llm):
+    """A request whose masks ban every token it may sample is refused when queued if its first
+    token has none, and raises when a longer bad word's ban leaves none later; the engine serves on."""
+    prompt = random_prompt(16, seed=12)
+    with pytest.raises(ValueError, match=r"sampling_params: every token of allowed_token_ids \[50\] is banned"):
+        llm.generate([prompt], greedy(3, allowed_token_ids=[50], bad_words_token_ids=[[50]]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[50\] is banned .*min_tokens=2"):
+        llm.generate([prompt], greedy(3, allowed_token_ids=[50], stop_token_ids=[50], min_tokens=2), use_tqdm=False)
+    # the same masks with a token left are served
+    out = llm.generate([prompt], greedy(3, allowed_token_ids=[50, 60], bad_words_token_ids=[[60]]), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [50, 50, 50]
+    # 60 is always banned; after one 50 the word [50, 50] bans 50 too
+    with pytest.raises(RuntimeError, match=r"after 1 generated tokens \[50\]: every token of allowed_token_ids "
+                                           r"\[50, 60\] is banned"):
+        llm.generate([prompt, random_prompt(8, seed=13)],
+                     [greedy(3, allowed_token_ids=[50, 60], bad_words_token_ids=[[60], [50, 50]]), greedy(3)],
+                     use_tqdm=False)
+    _serves(llm)
+
+
+def test_logits_beyond_float32_are_sampled_not_nan(llm):
+    """Biases, penalties and small temperatures that overflow float32 sample the dominant tokens
+    (a NaN row would give token 0)."""
+    prompt = random_prompt(16, seed=14)
+    for params in (SamplingParams(temperature=1.0, seed=0, max_tokens=3, logit_bias={99: 1e39}),
+                   SamplingParams(temperature=1e-4, seed=0, max_tokens=3, logit_bias={99: 1e35}),
+                   SamplingParams(temperature=1e-4, seed=0, max_tokens=3, logit_bias={99: 3e38},
+                                  repetition_penalty=1e-38)):
+        out = llm.generate([prompt + [99]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == [99, 99, 99], (params, out)
+    seen = llm.generate([prompt], SamplingParams(temperature=0.5, seed=0, max_tokens=4, repetition_penalty=1e-38),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    # seen tokens with a positive logit are divided up to float32's largest value; the others are left far below
+    assert all(t in set(prompt) | set(seen[:i]) for i, t in enumerate(seen)), seen
+
+
 def test_unused_masks_cost_nothing(llm):
     from nanovllm.engine.sampling_batch import sampling_tensors
     from nanovllm.sequence import Sequence

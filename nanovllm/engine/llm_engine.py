@@ -107,7 +107,7 @@ class LLMEngine(EngineStats):
             self._finalizer()
             raise
         self._checks = RequestChecker(tokenizer, config.hf_config.vocab_size, config.max_model_len, self._kv_capacity,
-                                     config.max_logprobs)
+                                     config.max_logprobs, config.eos_token_ids)
         self._model_config = ModelConfig(
             model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=config.max_model_len,
             dtype=config.dtype, seed=config.seed, hf_config=config.hf_config, trust_remote_code=config.trust_remote_code,
@@ -183,8 +183,8 @@ class LLMEngine(EngineStats):
         two ways are not mixed."""
         if not self.scheduler.is_finished():
             queued = len(self.scheduler.waiting) + len(self.scheduler.running)
-            raise RuntimeError(f"generate() and chat() need an idle engine, but {queued} requests queued with "
-                               f"add_request() are unfinished; call step() until is_finished() (step() returns "
+            raise RuntimeError(f"generate() and chat() need an idle engine, but {queued} sequence(s) queued "
+                               f"with add_request() are unfinished; call step() until is_finished() (step() returns "
                                f"them as they finish) before calling generate() or chat()")
 
     def _add(self, ids: list[int], params: SamplingParams) -> int:
@@ -219,7 +219,7 @@ class LLMEngine(EngineStats):
 
     # ---- batch API ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm=True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``: one prompt or a list, each a string, a list of
         token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms).
         ``sampling_params``: one for all prompts, one per prompt, or None
@@ -236,7 +236,8 @@ class LLMEngine(EngineStats):
                 ``max_model_len``, with ids outside the vocabulary or text that is not valid
                 Unicode; a bad SamplingParams; a LoRA request; ``priority`` not one int per
                 prompt. Everything is checked before anything is queued, so the engine keeps
-                serving. ``use_tqdm`` not a bool.
+                serving. ``use_tqdm`` neither a bool nor a callable (a progress bar's class or
+                factory, called as ``tqdm``).
             RuntimeError: a prompt that cannot fit in the KV cache; requests queued with
                 ``add_request`` are still unfinished.
         """
@@ -247,7 +248,7 @@ class LLMEngine(EngineStats):
         return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             use_tqdm=True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -286,16 +287,17 @@ class LLMEngine(EngineStats):
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._generate(prompts, sampling_params, use_tqdm, label="messages")
 
-    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool,
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm,
                   label: str = "prompts") -> list[RequestOutput]:
         """Validate everything, then run the requests here or split them across the replicas.
         ``label``: the caller's argument, named in errors (``prompts[i]``, ``messages[i]``)."""
         self._check_idle()
-        if not isinstance(use_tqdm, bool):
-            raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False or a callable that makes a progress bar (as tqdm, "
+                             f"vLLM's form), got {use_tqdm!r}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = self._checks.params_per_prompt(sampling_params, len(prompts))
+        params = self._checks.params_per_prompt(sampling_params, len(prompts), label)
         prompts = [Prompt(p.text, self._checks.token_ids(p, f"{label}[{i}]", sp.truncate_prompt_tokens))
                    for i, (p, sp) in enumerate(zip(prompts, params))]
         if self._replicas is None:
@@ -308,7 +310,7 @@ class LLMEngine(EngineStats):
         return data_parallel.number_requests(data_parallel.in_input_order(shares, results))
 
     def _run_requests(self, prompts: list[Prompt], params: list[SamplingParams],
-                      use_tqdm: bool = False) -> list[RequestOutput]:
+                      use_tqdm=False) -> list[RequestOutput]:
         """Run validated requests (``prompts`` tokenized) on this replica to completion."""
         groups, seq_ids = [], []
         try:
@@ -323,7 +325,7 @@ class LLMEngine(EngineStats):
             self._steps.drop_in_flight()
             raise
 
-    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], use_tqdm) -> list[RequestOutput]:
         """Step until every sequence of ``groups`` (a request's sequence ids each) finishes. A
         request's output is built (detokenized) as soon as its last sequence finishes, while the
         device runs the steps in flight, rather than all at the end."""
@@ -331,8 +333,8 @@ class LLMEngine(EngineStats):
         request_ids = [str(next(self._request_ids)) for _ in groups]
         finished: dict[int, Sequence] = {}
         outputs: list[RequestOutput | None] = [None] * len(groups)
-        bar = tqdm(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm or self.rank > 0)
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(groups), desc="Processed prompts",
+                                                         dynamic_ncols=True, disable=not use_tqdm or self.rank > 0)
         prefill_tps = decode_tps = 0.0
         while len(finished) < len(group_of):
             t = time.perf_counter()

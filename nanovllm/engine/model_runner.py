@@ -148,7 +148,7 @@ class ModelRunner:
             cfg, geometry, self.device, cache.reserved_bytes(host), cache.metadata_bytes_per_block(),
             self.ranks_on_host))
         sizes = sizing.TierSizes(gpu, host)
-        sizing.check_capacity(cfg, geometry, sizes)
+        sizing.check_capacity(cfg, geometry, sizes, self.device)
         return sizes
 
     def _smallest_over_ranks(self, value: int) -> int:

@@ -2,6 +2,7 @@
 once and the engine keeps serving the others: prompts (tokenized here) against the vocabulary,
 ``max_model_len`` and the KV cache's capacity, SamplingParams against the vocabulary."""
 from nanovllm.engine.prompts import Prompt, check_text
+from nanovllm.engine.sampling_batch import nothing_to_sample
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.checks import is_integer
 
@@ -9,12 +10,14 @@ from nanovllm.utils.checks import is_integer
 class RequestChecker:
     """Args: the tokenizer; vocab_size; max_model_len; kv_capacity (tokens both KV tiers hold,
     the smallest over the data-parallel replicas); max_logprobs (the most logprobs a request may
-    ask for, -1: no limit)."""
+    ask for, -1: no limit); eos_token_ids (the model's, masked below ``min_tokens``)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_capacity: int, max_logprobs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_capacity: int, max_logprobs: int,
+                 eos_token_ids: list[int]):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.max_model_len, self.kv_capacity = max_model_len, kv_capacity
         self.max_logprobs = max_logprobs
+        self.eos_token_ids = eos_token_ids
 
     def token_ids(self, prompt: Prompt, name: str = "prompt", truncate: int | None = None) -> list[int]:
         """The prompt's token ids (its text tokenized when it has none), checked; errors start
@@ -57,7 +60,9 @@ class RequestChecker:
 
         Raises:
             ValueError: not a SamplingParams; a bad field; stop ids or logprobs beyond the
-                vocabulary, or more logprobs than ``max_logprobs`` (each naming ``name``).
+                vocabulary, or more logprobs than ``max_logprobs``; masks that leave the first
+                token nothing to sample (``allowed_token_ids`` all bad words, or all eos and stop
+                ids under ``min_tokens``); each naming ``name``.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{name} must be a SamplingParams, got {type(params).__name__}")
@@ -79,6 +84,9 @@ class RequestChecker:
             given = params.bad_words_token_ids or []
             params.bad_words_token_ids = given + [ids for ids in self.bad_words_token_ids(params.bad_words)
                                                   if ids not in given]
+        why = nothing_to_sample(params, [], 0, self.eos_token_ids, self.vocab_size)
+        if why:
+            raise ValueError(f"{name}: {why}")
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is None:
@@ -105,9 +113,10 @@ class RequestChecker:
                     sequences.append(ids)
         return sequences
 
-    def params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+    def params_per_prompt(self, sampling_params, num_prompts: int, label: str = "prompts") -> list[SamplingParams]:
         """``generate``'s ``sampling_params`` (None, one for all, or one per prompt) as one
-        checked copy per prompt.
+        checked copy per prompt; ``label``: the caller's name for its prompts (``messages`` for
+        ``chat``), used in errors.
 
         Raises:
             ValueError: a list of another length than the prompts'; as :meth:`params`.
@@ -117,7 +126,7 @@ class RequestChecker:
         if not isinstance(sampling_params, (list, tuple)):
             return [self.params(sampling_params, "sampling_params")] * num_prompts
         if len(sampling_params) != num_prompts:
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompt(s): "
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries but {label} has {num_prompts}: "
                              "give one SamplingParams for all or one per prompt")
         return [self.params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
 

@@ -88,22 +88,44 @@ def _penalties(seqs: list[Sequence], rows: list[int], device, input_ids: torch.T
                      (output_rows, output_tokens))
 
 
+def banned_token_ids(params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+                     eos_token_ids) -> set[int]:
+    """Token ids a request may not sample next, ``token_ids`` being its prompt (the first
+    ``num_prompt_tokens``) and what it has generated: its eos and stop ids while below
+    ``min_tokens``, and its bad words' last tokens (a one-token word always; a longer one when the
+    output ends with the word's other tokens)."""
+    generated = len(token_ids) - num_prompt_tokens
+    banned = set()
+    if generated < params.min_tokens:
+        banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    for ids in params.bad_words_token_ids or ():
+        if len(ids) == 1 or (generated >= len(ids) - 1 and token_ids[len(token_ids) - len(ids) + 1:] == ids[:-1]):
+            banned.add(ids[-1])
+    return banned
+
+
+def nothing_to_sample(params: SamplingParams, token_ids: list[int], num_prompt_tokens: int, eos_token_ids,
+                      vocab_size: int) -> str | None:
+    """Why a request can sample no token next (every token it may sample is banned by
+    :func:`banned_token_ids`), or None when some token is left."""
+    banned = {t for t in banned_token_ids(params, token_ids, num_prompt_tokens, eos_token_ids) if t < vocab_size}
+    if params.allowed_token_ids is not None:
+        if banned.issuperset(params.allowed_token_ids):
+            return (f"every token of allowed_token_ids {sorted(set(params.allowed_token_ids))[:8]} is banned "
+                    f"(bad words, or eos and stop ids below min_tokens={params.min_tokens}): no token can be sampled")
+    elif len(banned) >= vocab_size:
+        return f"bad words and stop ids ban all {vocab_size} tokens of the vocabulary: no token can be sampled"
+    return None
+
+
 def _banned(seqs: list[Sequence], eos_token_ids: list[int], vocab_size: int, device):
-    """(row, token) pairs that rows may not sample: the eos and stop ids of rows below
-    ``min_tokens``, and bad words' last tokens (a one-token word always; a longer one when the
-    output ends with its other tokens, known on the host: ``Scheduler.schedule_decode_ahead``
-    does not run such rows ahead)."""
+    """(row, token) pairs that rows may not sample (:func:`banned_token_ids`; a longer bad word's
+    last token is known on the host: ``Scheduler.schedule_decode_ahead`` does not run such rows
+    ahead)."""
     rows, tokens = [], []
     for i, seq in enumerate(seqs):
-        params = seq.sampling_params
-        banned = set()
-        if seq.num_completion_tokens < params.min_tokens:
-            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        if params.bad_words_token_ids:
-            output = seq.completion_token_ids
-            banned |= {ids[-1] for ids in params.bad_words_token_ids
-                       if len(ids) == 1 or (len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1:] == ids[:-1])}
-        banned = sorted(t for t in banned if t < vocab_size)
+        banned = sorted(t for t in banned_token_ids(seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
+                                                    eos_token_ids) if t < vocab_size)
         rows += [i] * len(banned)
         tokens += banned
     if not rows:
@@ -127,7 +149,7 @@ def _bias(params: list[SamplingParams], device):
         for token, value in (p.logit_bias or {}).items():
             rows.append(i)
             tokens.append(token)
-            values.append(value)
+            values.append(max(-FLOAT32_MAX, min(value, FLOAT32_MAX)))
     if not rows:
         return None
     return ((to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)),

@@ -5,6 +5,7 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sampling_batch import nothing_to_sample
 from nanovllm.engine.stopping import check_stop, may_stop_on_token, reaches_length_limit
 from nanovllm.kvcache.block_manager import BlockManager, BlockMove
 
@@ -42,6 +43,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = set(config.eos_token_ids)
+        self.vocab_size = config.hf_config.vocab_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -224,7 +226,26 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
                 finished.append(seq)
+        for seq, token_id in zip(seqs, token_ids):
+            if token_id is not None and not seq.is_finished:
+                self._check_samplable(seq)
         return finished
+
+    def _check_samplable(self, seq: Sequence):
+        """Raise when the bad words that the sequence's last tokens begin leave it no token to
+        sample next (the first token's masks were checked when the request was queued; only a
+        longer bad word's ban grows with the output).
+
+        Raises:
+            RuntimeError: naming the sequence, its generated tokens and the masks.
+        """
+        params = seq.sampling_params
+        if not any(len(ids) > 1 for ids in params.bad_words_token_ids or ()):
+            return
+        why = nothing_to_sample(params, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, self.vocab_size)
+        if why:
+            raise RuntimeError(f"sequence {seq.seq_id}, after {seq.num_completion_tokens} generated tokens "
+                               f"{seq.completion_token_ids[-8:]}: {why}")
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         reason, seq.stop_reason = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)

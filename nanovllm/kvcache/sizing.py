@@ -115,18 +115,22 @@ def gpu_blocks(config: Config, geometry: KVGeometry, device: torch.device, reser
     return min(share // geometry.block_bytes, wanted_blocks(config))
 
 
-def check_capacity(config: Config, geometry: KVGeometry, sizes: TierSizes) -> None:
+def check_capacity(config: Config, geometry: KVGeometry, sizes: TierSizes, device: torch.device) -> None:
     """Raises RuntimeError (with the numbers) unless the tiers hold one ``max_model_len``
     sequence, and with a host tier, unless the GPU tier holds a sequence's first block and the
-    block it writes (ValueError when ``num_kvcache_blocks`` set it below that)."""
+    block it writes (ValueError when ``num_kvcache_blocks`` set it below that). ``device``: the
+    GPU tier's (what sized it, for the advice)."""
     block = geometry.block_size
     capacity = (sizes.gpu_blocks + sizes.host_blocks) * block
     if capacity < config.max_model_len:
+        sized_by = ("raise num_kvcache_blocks or gpu_memory_utilization" if device.type == "cuda" else
+                    f"set num_kvcache_blocks (on {device.type} the cache takes at most "
+                    f"{CPU_KV_MEMORY_FRACTION:g} of the available memory)")
         raise RuntimeError(
             f"the KV cache holds {sizes.gpu_blocks} GPU + {sizes.host_blocks} host blocks x {block} = {capacity} "
             f"tokens, fewer than max_model_len={config.max_model_len}: not enough memory for one sequence "
-            f"(block = {geometry.block_bytes} bytes); lower max_model_len, raise num_kvcache_blocks or "
-            f"gpu_memory_utilization, or set enable_cpu_offload=True for a host tier")
+            f"(block = {geometry.block_bytes} bytes); lower max_model_len or kvcache_block_size, {sized_by}, "
+            f"or set enable_cpu_offload=True for a host tier")
     if config.enable_cpu_offload and not sizes.host_blocks:
         raise RuntimeError(f"the host tier holds 0 blocks of {geometry.block_bytes} bytes: cpu_memory_utilization="
                            f"{config.cpu_memory_utilization} of this host's available memory is less than one block "

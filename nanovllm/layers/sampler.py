@@ -1,5 +1,5 @@
 """Token sampling for a batch of rows with mixed parameters, on the device, following vLLM's V1
-sampler: raw log-probabilities, penalties, allowed-token masks, logit bias, min_tokens and
+sampler: raw log-probabilities, penalties, logit bias, allowed-token masks, min_tokens and
 bad-word masks, greedy argmax, then temperature, min-p, top-k / top-p and the exponential race. Every stage is a whole-batch tensor op and is
 skipped when no row of the batch uses it (the host flags of :class:`SamplingTensors`)."""
 from dataclasses import dataclass
@@ -198,10 +198,10 @@ class Sampler(nn.Module):
         raw = logits = logits.float()
         if params.penalties is not None:
             logits = apply_penalties(logits, params.penalties)
+        if params.bias is not None:  # before the masks, so that clamping never lifts a -inf
+            logits = logits.index_put(params.bias[0], params.bias[1], accumulate=True).clamp(-FLOAT32_MAX, FLOAT32_MAX)
         if params.allowed is not None:
             logits = apply_allowed(logits, *params.allowed)
-        if params.bias is not None:
-            logits = logits.index_put(params.bias[0], params.bias[1], accumulate=True)
         if params.banned is not None:
             logits = logits.index_put(params.banned, logits.new_full((), float("-inf")))
         tokens = logits.argmax(-1)
@@ -243,7 +243,9 @@ class Sampler(nn.Module):
         rows = params.sampled_rows
         index = to_device(rows, torch.int64, logits.device)
         kept, temperatures = logits[index], params.temperatures[index]
-        scaled = kept / temperatures.unsqueeze(1)
+        # softmax(kept / T) with the row's largest logit subtracted first: a small temperature
+        # then sends unlikely tokens to -inf instead of the likely ones to +inf (NaN probabilities)
+        scaled = (kept - kept.amax(-1, keepdim=True)) / temperatures.unsqueeze(1)
         if params.min_p is not None:
             scaled = apply_min_p(scaled, params.min_p[index])
         if params.top_k is not None:
