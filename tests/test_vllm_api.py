@@ -103,8 +103,12 @@ def test_prompt_forms_give_the_same_tokens(llm):
 
 
 def test_vllm_prompt_types(llm):
-    """``from vllm.inputs import TokensPrompt, TextPrompt`` ports as ``nanovllm.inputs``."""
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` ports as ``nanovllm.inputs``, and
+    ``from vllm import TokensPrompt`` as ``from nanovllm import TokensPrompt``."""
+    import nanovllm
     from nanovllm.inputs import TextPrompt, TokensPrompt
+
+    assert (nanovllm.TextPrompt, nanovllm.TokensPrompt) == (TextPrompt, TokensPrompt)
 
     text = "qudfpgs yvgdpmigu akpy"
     ids = llm.get_tokenizer().encode(text)
