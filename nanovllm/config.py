@@ -13,7 +13,7 @@ from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 from nanovllm.sparse import (DEFAULT_GROUP_SCORE, DEFAULT_RADIUS_WEIGHT, DEFAULT_TOKEN_BUDGET, check_unused_options,
                              choosing_policy_names, policy_class)
 from nanovllm.sparse.choosing import check_layer_weights
-from nanovllm.utils.checks import check_bool, check_range, is_integer
+from nanovllm.utils.checks import check_bool, check_count_or_auto, check_range, is_integer
 from nanovllm.utils.dtypes import check_kv_cache_device, resolve_kv_cache_dtype, resolve_model_dtype
 from nanovllm.vllm_compat import check_vllm_args
 
@@ -291,8 +291,7 @@ class Config:
         if not is_integer(block) or block <= 0 or block % BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size must be a positive multiple of "
                              f"{BLOCK_SIZE_MULTIPLE}, got {block!r}")
-        if self.num_kvcache_blocks != -1:
-            check_range("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        check_count_or_auto("num_kvcache_blocks", self.num_kvcache_blocks)
         check_range("seed", self.seed, SEED_MIN, SEED_MAX)
         check_range("max_logprobs", self.max_logprobs, -1)
         self.device = _resolve_device(self.device)
@@ -336,8 +335,8 @@ class Config:
             if not self.enable_cpu_offload:
                 raise ValueError(f"num_ring_slots={self.num_ring_slots} sizes the host tier's ring, which needs "
                                  "enable_cpu_offload=True")
+        check_count_or_auto("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks)
         if self.num_cpu_kvcache_blocks != -1:
-            check_range("num_cpu_kvcache_blocks", self.num_cpu_kvcache_blocks, 1)
             if not self.enable_cpu_offload:
                 raise ValueError(f"num_cpu_kvcache_blocks={self.num_cpu_kvcache_blocks} sizes the host tier, which "
                                  "needs enable_cpu_offload=True")
@@ -359,8 +358,7 @@ class Config:
                                                                    self.hf_config.num_hidden_layers)
         policy_class(self.sparse_policy).check_options(self)  # another policy's options must keep their defaults:
         check_unused_options(self, FIELD_DEFAULTS)
-        if self.num_reuse_cache_blocks != -1:
-            check_range("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
+        check_count_or_auto("num_reuse_cache_blocks", self.num_reuse_cache_blocks, 0)
         if self.num_reuse_cache_blocks > 0 and not (self.enable_cpu_offload and
                                                     policy_class(self.sparse_policy).chooses_decode_pages):
             choosers = " or ".join(repr(name) for name in choosing_policy_names())

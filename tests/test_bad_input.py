@@ -171,6 +171,14 @@ def test_kvcache_block_size_not_multiple_of_256(qwen3_dir, size):
         build_llm(qwen3_dir, kvcache_block_size=size)
 
 
+@pytest.mark.parametrize("option, value", [("num_kvcache_blocks", -7), ("num_kvcache_blocks", 0),
+                                           ("num_kvcache_blocks", 2.5), ("num_cpu_kvcache_blocks", 0)])
+def test_block_counts_are_minus_one_or_positive(qwen3_dir, option, value):
+    with pytest.raises(ValueError, match=rf"^{option} must be -1 \(sized automatically\) or an integer >= 1, "
+                                         rf"got {value}$"):
+        build_llm(qwen3_dir, enable_cpu_offload=True, **{option: value})
+
+
 @pytest.mark.parametrize("value", [0, 1.5, -0.2])
 def test_gpu_memory_utilization_outside_range(qwen3_dir, value):
     with pytest.raises(ValueError, match=rf"gpu_memory_utilization must be in \(0, 1\], got {value}"):

@@ -136,6 +136,22 @@ def test_model_args_are_parsed_as_the_options_types():
         "not numbers: left to the engine, which refuses it by name"
 
 
+def test_generate_until_is_greedy_unless_the_task_samples():
+    """lm-eval's hf backend decodes greedily unless do_sample is true; normalize_gen_kwargs sets no
+    temperature when a task gives neither, so the backend must (SamplingParams' default is 1.0)."""
+    from nanovllm.integrations.lm_eval import generation_params
+
+    for kwargs, temperature in (({"until": ["\n"]}, 0.0), ({"until": ["\n"], "do_sample": False}, 0.0),
+                                ({"until": ["\n"], "do_sample": False, "temperature": 0.7}, 0.0),
+                                ({"until": ["\n"], "temperature": 0.7}, 0.7),
+                                ({"until": ["\n"], "do_sample": True, "temperature": 0.5}, 0.5)):
+        params, until, max_gen_toks = generation_params(kwargs, "<eos>", 32)
+        assert params.temperature == temperature, kwargs
+        assert until == ["\n", "<eos>"] and params.stop == until and params.max_tokens == max_gen_toks == 32
+    params, until, _ = generation_params({"until": ["\n"], "max_gen_toks": 5}, "<eos>", 32, stop_at_eos_only=True)
+    assert params.stop == ["<eos>"] and until == ["\n", "<eos>"] and params.max_tokens == 5
+
+
 def test_backend_is_registered_on_import_only():
     code = ("import sys, nanovllm, nanovllm.integrations; assert 'lm_eval' not in sys.modules; "
             "import nanovllm.integrations.lm_eval; from lm_eval.api.registry import get_model; "

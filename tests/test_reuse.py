@@ -66,7 +66,8 @@ def test_reuse_cache_option_is_checked(qwen3_dir):
     assert reuse_cache_rows(Config(qwen3_dir, **quest, num_reuse_cache_blocks=0)) == 0
     with build_llm(qwen3_dir, sparse_policy="QUEST") as llm:
         assert llm.model_runner.cache.reuse_rows == 0, "no host tier"
-    for bad, match in ((-2, "num_reuse_cache_blocks must be >= 0"), (1.5, "must be an integer")):
+    for bad, match in ((-2, r"num_reuse_cache_blocks must be -1 \(sized automatically\) or an integer >= 0, got -2"),
+                       (1.5, r"num_reuse_cache_blocks must be -1 .* got 1.5")):
         with pytest.raises(ValueError, match=match):
             Config(qwen3_dir, **quest, num_reuse_cache_blocks=bad)
     with pytest.raises(ValueError, match="num_reuse_cache_blocks=2 needs enable_cpu_offload=True"):

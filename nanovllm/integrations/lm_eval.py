@@ -210,7 +210,8 @@ class NanoVLLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood over disjoint windows of ``max_length - 2`` tokens (lm-eval's
-        rolling windows, the first predicted from the prefix token)."""
+        rolling windows, the first predicted from the prefix token; the ``vllm`` backend's length,
+        where ``hf`` takes ``max_length``)."""
         windows, counts = [], []
         for (text,) in (req.args for req in requests):
             rolling = [(None,) + make_disjoint_window(w) for w in get_rolling_token_windows(
@@ -226,22 +227,14 @@ class NanoVLLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, totals[-1])
         return totals
 
-    def _sampling_params(self, gen_kwargs: dict, eos: str) -> tuple[SamplingParams, list[str], int]:
-        kwargs = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=self.max_gen_toks)
-        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-        max_gen_toks = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-        kwargs.pop("do_sample", None)
-        kwargs = {"skip_special_tokens": False, "spaces_between_special_tokens": False, **kwargs}
-        stop = [s for s in until if s == eos] if self.think_end_token else until
-        return SamplingParams(max_tokens=max_gen_toks, stop=stop, **kwargs), until, max_gen_toks
-
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each ``(context, gen_kwargs)`` continued until a stop string of ``until`` (or eos, or
         ``max_gen_toks``), the context truncated on ``truncation_side`` to leave room for them."""
         eos = self.tokenizer.decode(self.eot_token_id) or getattr(self.tokenizer, "eos_token", None)
         prompts, params, untils = [], [], []
         for context, gen_kwargs in (req.args for req in requests):
-            sp, until, max_gen_toks = self._sampling_params(gen_kwargs, eos)
+            sp, until, max_gen_toks = generation_params(gen_kwargs, eos, self.max_gen_toks,
+                                                        stop_at_eos_only=bool(self.think_end_token))
             ids, sp.max_tokens = maybe_truncate(self.tok_encode(context), max_gen_toks=max_gen_toks,
                                                 max_model_len=self.max_length, side=self.truncation_side, verbose=True)
             prompts.append(ids)
@@ -257,6 +250,24 @@ class NanoVLLM(TemplateLM):
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return results
+
+
+def generation_params(gen_kwargs: dict, eos: str, default_max_gen_toks: int,
+                      stop_at_eos_only: bool = False) -> tuple[SamplingParams, list[str], int]:
+    """A ``generate_until`` request's SamplingParams from lm-eval's generation kwargs, with its
+    stop strings (``until`` and ``eos``) and token limit. Greedy unless ``do_sample`` is true, as
+    lm-eval's ``hf`` backend decodes (``normalize_gen_kwargs`` leaves ``temperature`` unset when
+    a task gives neither, and SamplingParams' default would sample at 1.0). Other kwargs are
+    SamplingParams fields. ``stop_at_eos_only``: the engine stops at ``eos`` alone (a thinking
+    model's ``until`` applies after its thinking, in post-processing)."""
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=default_max_gen_toks)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    max_gen_toks = int(kwargs.pop("max_gen_toks", default_max_gen_toks))
+    if not kwargs.pop("do_sample", False):
+        kwargs["temperature"] = 0.0
+    kwargs = {"skip_special_tokens": False, "spaces_between_special_tokens": False, **kwargs}
+    stop = [s for s in until if s == eos] if stop_at_eos_only else until
+    return SamplingParams(max_tokens=max_gen_toks, stop=stop, **kwargs), until, max_gen_toks
 
 
 model_registry.register(MODEL_NAME, target=f"{__spec__.name if __spec__ else __name__}:NanoVLLM")

@@ -15,6 +15,13 @@ def check_bool(name: str, value):
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_count_or_auto(name: str, value, low: int = 1):
+    """ValueError naming ``name``, ``value`` and the limit unless ``value`` is -1 (sized
+    automatically) or an integer >= ``low``."""
+    if not (is_integer(value) and (value == -1 or value >= low)):
+        raise ValueError(f"{name} must be -1 (sized automatically) or an integer >= {low}, got {value!r}")
+
+
 def check_range(name: str, value, low, high=None, low_inclusive=True, integer=True):
     """ValueError naming ``name``, ``value`` and the limit unless low <= value (<= high) (low < value
     when not ``low_inclusive``), and ``value`` is an integer (``integer``) or a finite number."""
