@@ -3,6 +3,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -219,7 +220,8 @@ class LLMEngine(EngineStats):
 
     # ---- batch API ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm=True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``: one prompt or a list, each a string, a list of
         token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (vLLM's forms).
         ``sampling_params``: one for all prompts, one per prompt, or None
@@ -248,7 +250,7 @@ class LLMEngine(EngineStats):
         return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm=True, lora_request=None, chat_template: str | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -287,7 +289,7 @@ class LLMEngine(EngineStats):
             prompts.append(Prompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._generate(prompts, sampling_params, use_tqdm, label="messages")
 
-    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm,
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool | Callable[..., tqdm],
                   label: str = "prompts") -> list[RequestOutput]:
         """Validate everything, then run the requests here or split them across the replicas.
         ``label``: the caller's argument, named in errors (``prompts[i]``, ``messages[i]``)."""
@@ -310,7 +312,7 @@ class LLMEngine(EngineStats):
         return data_parallel.number_requests(data_parallel.in_input_order(shares, results))
 
     def _run_requests(self, prompts: list[Prompt], params: list[SamplingParams],
-                      use_tqdm=False) -> list[RequestOutput]:
+                      use_tqdm: bool | Callable[..., tqdm] = False) -> list[RequestOutput]:
         """Run validated requests (``prompts`` tokenized) on this replica to completion."""
         groups, seq_ids = [], []
         try:
@@ -325,7 +327,8 @@ class LLMEngine(EngineStats):
             self._steps.drop_in_flight()
             raise
 
-    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]], use_tqdm) -> list[RequestOutput]:
+    def _run_until_done(self, prompts: list[Prompt], groups: list[list[int]],
+                        use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Step until every sequence of ``groups`` (a request's sequence ids each) finishes. A
         request's output is built (detokenized) as soon as its last sequence finishes, while the
         device runs the steps in flight, rather than all at the end."""
