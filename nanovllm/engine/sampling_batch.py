@@ -149,7 +149,7 @@ def _bias(params: list[SamplingParams], device):
         for token, value in (p.logit_bias or {}).items():
             rows.append(i)
             tokens.append(token)
-            values.append(max(-FLOAT32_MAX, min(value, FLOAT32_MAX)))
+            values.append(value)
     if not rows:
         return None
     return ((to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device)),

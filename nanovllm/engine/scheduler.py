@@ -204,7 +204,7 @@ class Scheduler:
         (their tokens are placeholders, filled in here). A sequence finished already (computed
         once more by an overlapped step after it stopped) is left as it is.
         """
-        finished, now = [], time.time()
+        finished, with_long_bad_words, now = [], [], time.time()
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
                 continue
@@ -226,9 +226,11 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
                 finished.append(seq)
-        for seq, token_id in zip(seqs, token_ids):
-            if token_id is not None and not seq.is_finished:
-                self._check_samplable(seq)
+            elif seq.sampling_params.bad_words_token_ids and any(
+                    len(ids) > 1 for ids in seq.sampling_params.bad_words_token_ids):
+                with_long_bad_words.append(seq)
+        for seq in with_long_bad_words:  # after every sequence is updated, so that the step stays whole if one raises
+            self._check_samplable(seq)
         return finished
 
     def _check_samplable(self, seq: Sequence):
@@ -239,10 +241,8 @@ class Scheduler:
         Raises:
             RuntimeError: naming the sequence, its generated tokens and the masks.
         """
-        params = seq.sampling_params
-        if not any(len(ids) > 1 for ids in params.bad_words_token_ids or ()):
-            return
-        why = nothing_to_sample(params, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, self.vocab_size)
+        why = nothing_to_sample(seq.sampling_params, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids,
+                                self.vocab_size)
         if why:
             raise RuntimeError(f"sequence {seq.seq_id}, after {seq.num_completion_tokens} generated tokens "
                                f"{seq.completion_token_ids[-8:]}: {why}")
